@@ -1,0 +1,15 @@
+"""tf_diffmap: asynchronous data-parallel training for TensorFlow 2 and Keras 3."""
+
+from tf_diffmap.devices import default_replica_devices, split_devices
+from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.strategy import Strategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Strategy",
+    "StalenessStats",
+    "split_devices",
+    "default_replica_devices",
+    "__version__",
+]

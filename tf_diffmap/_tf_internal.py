@@ -1,0 +1,231 @@
+"""The one module that touches TensorFlow's private APIs.
+
+`tf.distribute` offers no public way to write a strategy: a strategy is a
+subclass of `tf.distribute.Strategy` whose `StrategyExtended` overrides private
+hooks. Everything tf_diffmap relies on beyond the public API is named here, so
+that a TensorFlow upgrade touches one file, and `check_compatibility` (run when
+a `Strategy` is built, and by the test suite) fails loudly with a clear message
+when a release changes any of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import summary_ops_v2
+
+TESTED_TENSORFLOW = ("2.21",)
+
+# Base classes of the strategy (public names for private classes).
+StrategyBase = tf.distribute.Strategy
+ExtendedBase = tf.compat.v1.distribute.StrategyExtended
+ResourceVariable = resource_variable_ops.ResourceVariable
+
+# Private hooks that `strategy._AsyncExtended` overrides, with the parameters
+# TensorFlow calls them with. A change in any of them means the strategy may no
+# longer be called the way it was written for.
+EXTENDED_HOOKS: dict[str, tuple[str, ...]] = {
+    "_create_variable": ("self", "next_creator"),
+    "_validate_colocate_with_variable": ("self", "colocate_with_variable"),
+    "_call_for_each_replica": ("self", "fn", "args", "kwargs"),
+    "_experimental_distribute_dataset": ("self", "dataset", "options"),
+    "_distribute_datasets_from_function": ("self", "dataset_fn", "options"),
+    "_reduce_to": ("self", "reduce_op", "value", "destinations", "options"),
+    "_replica_ctx_all_reduce": ("self", "reduce_op", "value", "options"),
+    "_replica_ctx_update": ("self", "var", "fn", "args", "kwargs", "group"),
+    "_update": ("self", "var", "fn", "args", "kwargs", "group"),
+    "_update_non_slot": ("self", "colocate_with", "fn", "args", "kwargs", "group"),
+    "_local_results": ("self", "val"),
+    "_use_merge_call": ("self",),
+    "_in_multi_worker_mode": ("self",),
+    "_num_replicas_in_sync": None,  # a property
+}
+
+# Hooks that the base class does not define but TensorFlow calls: the caller
+# must still mention them.
+CALLED_HOOKS: dict[str, object] = {
+    "_get_local_replica_id": tf.distribute.ReplicaContext.__init__,
+}
+
+# Private methods of ResourceVariable that `StoreVariable` overrides.
+VARIABLE_HOOKS: dict[str, tuple[str, ...]] = {
+    "_read_variable_op": ("self", "no_copy"),
+}
+
+
+def _parameter_names(obj: object) -> tuple[str, ...]:
+    return tuple(inspect.signature(obj).parameters)
+
+
+def compatibility_problems() -> list[str]:
+    """Returns what differs from the TensorFlow internals tf_diffmap was built on."""
+    problems = []
+    for name, params in EXTENDED_HOOKS.items():
+        member = inspect.getattr_static(ExtendedBase, name, None)
+        if member is None:
+            problems.append(f"tf.distribute StrategyExtended has no `{name}`")
+        elif params is None:
+            if not isinstance(member, property):
+                problems.append(f"StrategyExtended.{name} is no longer a property")
+        elif _parameter_names(member)[: len(params)] != params:
+            problems.append(
+                f"StrategyExtended.{name} takes {_parameter_names(member)}, "
+                f"expected {params}"
+            )
+    for name, caller in CALLED_HOOKS.items():
+        try:
+            source = inspect.getsource(caller)
+        except (OSError, TypeError):
+            source = ""
+        if name not in source:
+            problems.append(f"{caller.__qualname__} no longer calls `{name}`")
+    for name, params in VARIABLE_HOOKS.items():
+        member = getattr(ResourceVariable, name, None)
+        if member is None:
+            problems.append(f"ResourceVariable has no `{name}`")
+        elif _parameter_names(member)[: len(params)] != params:
+            problems.append(
+                f"ResourceVariable.{name} takes {_parameter_names(member)}, "
+                f"expected {params}"
+            )
+    state = getattr(summary_ops_v2, "_summary_state", None)
+    if state is None or not all(
+        hasattr(state, a) for a in ("writer", "step", "is_recording")
+    ):
+        problems.append("tf.summary keeps its per-thread state elsewhere")
+    if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
+        problems.append("tf.raw_ops.ResourceCountUpTo is gone")
+    return problems
+
+
+def check_compatibility() -> None:
+    """Raises `RuntimeError` if TensorFlow's internals moved.
+
+    Raises:
+        RuntimeError: naming every hook that changed, the TensorFlow version
+            found and the versions tf_diffmap was tested with.
+    """
+    problems = compatibility_problems()
+    if problems:
+        raise RuntimeError(
+            f"tf_diffmap was built against TensorFlow {', '.join(TESTED_TENSORFLOW)}"
+            f" and found TensorFlow {tf.__version__}, whose internals differ: "
+            + "; ".join(problems)
+            + ". Install a TensorFlow version that tf_diffmap supports "
+            "(see its pyproject.toml)."
+        )
+
+
+def is_stateful(op: tf.Operation) -> bool:
+    """Whether a graph op has side effects (TensorFlow keeps this private)."""
+    return bool(op._is_stateful)  # noqa: SLF001
+
+
+def capture_summary_state() -> Callable[[], None]:
+    """Returns a function that installs this thread's `tf.summary` state.
+
+    `tf.summary` keeps its default writer, step and recording condition per
+    thread. Replica steps are traced in a helper thread, which must see the
+    writer that the caller's thread has set.
+    """
+    state = summary_ops_v2._summary_state  # noqa: SLF001
+    writer, step, recording = state.writer, state.step, state.is_recording
+
+    def install() -> None:
+        state.writer, state.step, state.is_recording = writer, step, recording
+
+    return install
+
+
+class StoreVariable(ResourceVariable):
+    """A resource variable of the parameter store.
+
+    Two things differ from a plain resource variable:
+
+    * an eager read or write from a thread that is not a replica worker first
+      waits for the updates in flight (`on_host_access`), so that whatever
+      reads the model as a whole (an epoch's metrics, `get_weights`, a
+      checkpoint, a callback) sees every update that was dispatched;
+    * inside a replica step, Keras' `v.assign(v + d)` (how a Keras variable
+      implements `assign_add`) is applied as one atomic `assign_add(d)`, so
+      that counters and metric totals lose no increment when replicas write
+      them at the same time.
+    """
+
+    _on_host_access: Callable[[], None] | None = None
+
+    @classmethod
+    def adopt(cls, variable: tf.Variable, on_host_access: Callable[[], None]):
+        """Turns a freshly created resource variable into a store variable.
+
+        The variable keeps everything its creator chain gave it; only methods
+        are added, so the class is switched instead of building a second one.
+        """
+        if type(variable) is not ResourceVariable:
+            return variable
+        variable.__class__ = cls
+        variable._on_host_access = on_host_access
+        return variable
+
+    def _before_eager_access(self) -> None:
+        if self._on_host_access is not None and tf.executing_eagerly():
+            self._on_host_access()
+
+    def _read_variable_op(self, no_copy=False):
+        self._before_eager_access()
+        return super()._read_variable_op(no_copy=no_copy)
+
+    def _atomic_delta(self, value):
+        """`d` when `value` is `self + d` read inside this trace, else None."""
+        if tf.executing_eagerly() or not isinstance(value, tf.Tensor):
+            return None
+        op = value.op
+        if op.type not in ("AddV2", "Add", "Sub"):
+            return None
+        first, second = op.inputs
+        read = first.op
+        if read.type != "ReadVariableOp":
+            return None
+        graph = op.graph
+        handle = read.inputs[0]
+        captured = dict((id(i), e) for e, i in graph.captures)
+        if captured.get(id(handle)) is not self.handle and handle is not self.handle:
+            return None
+        return second if op.type != "Sub" else -second
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        self._before_eager_access()
+        if _replica_tracing.active:
+            delta = self._atomic_delta(value)
+            if delta is not None:
+                return super().assign_add(
+                    delta, use_locking=use_locking, name=name, read_value=read_value
+                )
+        return super().assign(
+            value, use_locking=use_locking, name=name, read_value=read_value
+        )
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        self._before_eager_access()
+        return super().assign_add(delta, use_locking, name, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        self._before_eager_access()
+        return super().assign_sub(delta, use_locking, name, read_value)
+
+
+class _ReplicaTracing(threading.local):
+    """Whether this thread is tracing a replica step (set by the strategy)."""
+
+    active = False
+
+
+_replica_tracing = _ReplicaTracing()
+
+
+def replica_tracing() -> _ReplicaTracing:
+    return _replica_tracing

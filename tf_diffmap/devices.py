@@ -1,0 +1,169 @@
+"""Device discovery and logical devices.
+
+A host with one CPU (or one GPU) still runs several replicas once the device is
+split into logical devices, which TensorFlow only allows before it initializes
+its devices. `split_devices` does that; `resolve_devices` turns what a user
+passes to `Strategy` into canonical device names, or says what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+__all__ = ["split_devices", "default_replica_devices", "resolve_devices"]
+
+
+def split_devices(
+    num_replicas: int,
+    device_type: str = "auto",
+    gpu_memory_mb: int | None = None,
+) -> list[str]:
+    """Splits the first physical CPU or GPU into logical devices.
+
+    Call it once, at the start of the program, before anything else asks
+    TensorFlow for a device (creating a tensor, a model or a `Strategy`).
+
+    Args:
+        num_replicas: how many logical devices to make (at least 1).
+        device_type: `"CPU"`, `"GPU"`, or `"auto"` (the first GPU if there is
+            one, else the CPU).
+        gpu_memory_mb: memory for each logical GPU; by default the GPU's memory
+            is not limited per device, which TensorFlow does not allow for
+            logical GPUs, so it must be given when splitting a GPU.
+
+    Returns:
+        The names of the logical devices of that type, usable as
+        `Strategy(devices=...)`.
+
+    Raises:
+        ValueError: `num_replicas` below 1, an unknown `device_type`, a GPU
+            requested where there is none, or a GPU split without
+            `gpu_memory_mb`.
+        RuntimeError: TensorFlow has already initialized its devices with
+            another configuration.
+
+    Example:
+        >>> import tf_diffmap
+        >>> tf_diffmap.split_devices(4, "CPU")  # doctest: +SKIP
+        ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(
+            f"split_devices needs num_replicas >= 1, received {num_replicas!r}."
+        )
+    kind = device_type.upper()
+    if kind not in ("AUTO", "CPU", "GPU"):
+        raise ValueError(
+            f"device_type must be 'CPU', 'GPU' or 'auto', received {device_type!r}."
+        )
+    gpus = tf.config.list_physical_devices("GPU")
+    if kind == "AUTO":
+        kind = "GPU" if gpus else "CPU"
+    if kind == "GPU" and not gpus:
+        raise ValueError(
+            "split_devices(device_type='GPU') found no GPU; use 'CPU' or 'auto'."
+        )
+    if kind == "GPU" and gpu_memory_mb is None:
+        raise ValueError(
+            "Splitting a GPU needs gpu_memory_mb, the memory of each logical "
+            "GPU (for example 2048)."
+        )
+    physical = gpus[0] if kind == "GPU" else tf.config.list_physical_devices("CPU")[0]
+    if kind == "GPU":
+        config = [
+            tf.config.LogicalDeviceConfiguration(memory_limit=gpu_memory_mb)
+            for _ in range(num_replicas)
+        ]
+    else:
+        config = [tf.config.LogicalDeviceConfiguration() for _ in range(num_replicas)]
+    current = tf.config.get_logical_device_configuration(physical)
+    if current is None or len(current) != num_replicas:
+        try:
+            tf.config.set_logical_device_configuration(physical, config)
+        except RuntimeError as error:
+            have = len(tf.config.list_logical_devices(kind))
+            raise RuntimeError(
+                f"Cannot split the {kind} into {num_replicas} logical devices: "
+                f"TensorFlow has already initialized its devices ({have} logical "
+                f"{kind} device(s)). Call tf_diffmap.split_devices at the start "
+                "of the program, before creating tensors, models or a Strategy; "
+                "in a notebook, restart the runtime first."
+            ) from error
+    return [d.name for d in tf.config.list_logical_devices(kind)]
+
+
+def default_replica_devices() -> list[str]:
+    """Every logical GPU, or where there is none, every logical CPU device."""
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = gpus or tf.config.list_logical_devices("CPU")
+    return [d.name for d in devices]
+
+
+def _canonical(name: str) -> str:
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.device_type is None:
+        raise ValueError(
+            f"Device {name!r} names no device type; write it as 'CPU:0', "
+            "'/device:GPU:1' or '/job:worker/task:0/device:CPU:0'."
+        )
+    spec = spec.replace(device_type=spec.device_type.upper())
+    if spec.device_index is None:
+        spec = spec.replace(device_index=0)
+    return spec.to_string()
+
+
+def resolve_devices(devices: Sequence[str] | str, what: str = "devices") -> list[str]:
+    """Canonical names of `devices`, each checked to exist.
+
+    Args:
+        devices: device names such as `"GPU:0"` or `"/device:CPU:1"`.
+        what: how the caller names the argument, for error messages.
+
+    Returns:
+        Canonical device names, in the order given.
+
+    Raises:
+        ValueError: an empty list, a name that is not a device name, a device
+            that this TensorFlow process does not have, or a duplicate.
+    """
+    if isinstance(devices, str):
+        devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise ValueError(
+            f"{what} is empty; pass at least one device name such as 'CPU:0', "
+            "or leave it out to use every GPU (else the CPU)."
+        )
+    known = {_canonical(d.name): d.name for d in tf.config.list_logical_devices()}
+    resolved = []
+    for name in devices:
+        if not isinstance(name, str):
+            raise ValueError(
+                f"{what} must hold device names (str), received {name!r}."
+            )
+        try:
+            canonical = _canonical(name)
+        except ValueError:
+            raise
+        except Exception as error:  # DeviceSpec's own parse errors
+            raise ValueError(
+                f"{what} holds {name!r}, which is not a device name; write "
+                "device names as 'CPU:0' or '/device:GPU:1'."
+            ) from error
+        if canonical not in known:
+            raise ValueError(
+                f"{what} names {name!r}, which this process does not have. "
+                f"Available devices: {sorted(known.values())}. To make more CPU "
+                "or GPU devices, call tf_diffmap.split_devices(n) at program "
+                "start; for devices of a cluster, connect to it first."
+            )
+        resolved.append(known[canonical])
+    duplicates = sorted({d for d in resolved if resolved.count(d) > 1})
+    if duplicates:
+        raise ValueError(
+            f"{what} lists {duplicates} more than once; to run several replicas "
+            "on one device use Strategy(replicas_per_device=k)."
+        )
+    return resolved

@@ -1,0 +1,172 @@
+"""The parameter store: placement, sharding, version counter, statistics.
+
+Every variable created under a `Strategy`'s scope lives once, on one of the
+store's parameter devices. Replicas read it there and apply their updates there
+with TensorFlow's own update ops, which lock the variable for the length of the
+op. A global version counter counts applied updates; per-replica counters
+record how stale each update was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+from tf_diffmap.staleness import StalenessStats
+
+__all__ = ["ParameterStore"]
+
+_VERSION_LIMIT = np.iinfo(np.int64).max
+
+
+def _host_of(device: str) -> str:
+    """The CPU of the host that owns `device` (where counters live)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+class ParameterStore:
+    """Where the authoritative copy of every variable lives.
+
+    Args:
+        parameter_devices: the devices that hold variables. A variable goes to
+            the device holding the fewest bytes so far (its slots follow it),
+            so each variable's update ops run on its own shard's device.
+        num_replicas: how many replicas record statistics.
+        on_host_access: called before a store variable is read or written
+            eagerly outside a replica (the strategy drains there).
+    """
+
+    def __init__(
+        self,
+        parameter_devices: Sequence[str],
+        num_replicas: int,
+        on_host_access=None,
+    ):
+        self.devices = list(parameter_devices)
+        self.num_replicas = num_replicas
+        self._on_host_access = on_host_access
+        self._bytes = {d: 0 for d in self.devices}
+        self.host = _host_of(self.devices[0])
+        self.histogram_bins = max(64, 8 * num_replicas)
+        with tf.init_scope(), tf.device(self.host):
+            zeros = tf.zeros([num_replicas], tf.int64)
+            self.version = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="store_version"
+            )
+            self.updates = tf.Variable(zeros, trainable=False, name="updates")
+            self.staleness_sum = tf.Variable(
+                zeros, trainable=False, name="staleness_sum"
+            )
+            self.staleness_max = tf.Variable(
+                zeros, trainable=False, name="staleness_max"
+            )
+            self.dropped = tf.Variable(zeros, trainable=False, name="dropped")
+            self.histogram = tf.Variable(
+                tf.zeros([num_replicas, self.histogram_bins], tf.int64),
+                trainable=False,
+                name="staleness_histogram",
+            )
+
+    # -- placement ------------------------------------------------------------
+
+    def device_for(self, kwargs: dict) -> str:
+        """Chooses the device of a new variable and accounts for its bytes."""
+        colocate_with = kwargs.get("colocate_with")
+        if colocate_with is not None:
+            device = colocate_with.device
+        else:
+            device = min(self.devices, key=lambda d: (self._bytes[d], self.devices.index(d)))
+        shape = kwargs.get("shape")
+        dtype = kwargs.get("dtype")
+        if shape is not None and tf.TensorShape(shape).is_fully_defined():
+            size = math.prod(tf.TensorShape(shape).as_list())
+            itemsize = tf.as_dtype(dtype).size if dtype is not None else 4
+            if device in self._bytes:
+                self._bytes[device] += size * itemsize
+        elif device in self._bytes:
+            self._bytes[device] += 1
+        return device
+
+    def create(self, next_creator, kwargs: dict) -> tf.Variable:
+        """Creates a variable on its store device (the strategy's creator)."""
+        initial_value = kwargs.get("initial_value")
+        if kwargs.get("shape") is None and initial_value is not None and not callable(initial_value):
+            kwargs_for_size = dict(kwargs, shape=getattr(initial_value, "shape", None))
+        else:
+            kwargs_for_size = kwargs
+        device = self.device_for(kwargs_for_size)
+        kwargs.pop("colocate_with", None)
+        with tf.device(device):
+            variable = next_creator(**kwargs)
+        if self._on_host_access is not None:
+            variable = _tf_internal.StoreVariable.adopt(variable, self._on_host_access)
+        return variable
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """Bytes of variables placed on each parameter device (approximate)."""
+        return dict(self._bytes)
+
+    # -- the version counter, in a replica's graph ----------------------------
+
+    def read_version(self) -> tf.Tensor:
+        with tf.device(self.host):
+            return self.version.read_value()
+
+    def claim_version(self, read_version: tf.Tensor) -> tf.Tensor:
+        """Bumps the version atomically; returns this update's staleness."""
+        with tf.device(self.host):
+            before = tf.raw_ops.ResourceCountUpTo(
+                resource=self.version.handle, limit=_VERSION_LIMIT, T=tf.int64
+            )
+            return before - read_version
+
+    def record(self, replica_id: tf.Tensor, staleness: tf.Tensor, applied: tf.Tensor) -> tf.Operation:
+        """Adds one update's staleness to the replica's statistics.
+
+        Args:
+            replica_id: int32 scalar.
+            staleness: int64 scalar.
+            applied: bool scalar, False for an update that was dropped.
+        """
+        with tf.device(self.host):
+            row = tf.reshape(tf.cast(replica_id, tf.int64), [1, 1])
+            one = tf.ones([1], tf.int64)
+            bin_ = tf.minimum(staleness, self.histogram_bins - 1)
+            cell = tf.concat([row, tf.reshape(bin_, [1, 1])], axis=1)
+            applied_i = tf.reshape(tf.cast(applied, tf.int64), [1])
+            return tf.group(
+                self.updates.scatter_nd_add(row, applied_i),
+                self.dropped.scatter_nd_add(row, one - applied_i),
+                self.staleness_sum.scatter_nd_add(row, tf.reshape(staleness, [1]) * applied_i),
+                self.staleness_max.scatter_nd_max(row, tf.reshape(staleness, [1]) * applied_i),
+                self.histogram.scatter_nd_add(cell, one),
+            )
+
+    # -- reading from Python --------------------------------------------------
+
+    def statistics(self) -> StalenessStats:
+        """A snapshot of the counters (does not wait for updates in flight)."""
+        return StalenessStats(
+            version=int(self.version.numpy()),
+            updates=self.updates.numpy(),
+            dropped=self.dropped.numpy(),
+            staleness_sum=self.staleness_sum.numpy(),
+            staleness_max=self.staleness_max.numpy(),
+            histogram=self.histogram.numpy(),
+        )
+
+    def reset_statistics(self) -> None:
+        """Zeroes the per-replica counters (the version keeps counting)."""
+        for variable in (
+            self.updates,
+            self.dropped,
+            self.staleness_sum,
+            self.staleness_max,
+            self.histogram,
+        ):
+            variable.assign(tf.zeros_like(variable))

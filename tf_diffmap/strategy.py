@@ -1,0 +1,663 @@
+"""`tf_diffmap.Strategy`: asynchronous data parallelism for Keras 3.
+
+How a training step flows:
+
+1. Keras traces its train function and calls `strategy.run(train_step, ...)`.
+2. The strategy traces `train_step` once more, in a helper thread (a clean
+   context: Keras' trace has lifted scopes that would stop the gradient tape),
+   as one concrete *replica step* that takes a replica id and one shard. Each
+   worker calls it on its own device; concurrent calls are separate executions,
+   so nothing serializes the replicas.
+3. In Keras' graph the strategy leaves one dispatch op (`tf.py_function`) that
+   splits the host batch into one shard per replica, queues the shards and
+   returns without waiting for them: it hands back the outputs (metrics) of
+   the most recently completed step.
+4. A worker runs the replica step: read the store version, forward and
+   backward, claim a new version (its staleness is the difference), apply its
+   own gradient to the store with update ops on the store's devices.
+5. Before anything reads the model as a whole, the workers are drained.
+
+A step that applies no update (evaluate, predict) runs synchronously, in
+Keras' graph, on the first replica device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+from tf_diffmap.devices import default_replica_devices, resolve_devices
+from tf_diffmap.inputs import HostDataset
+from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store import ParameterStore
+from tf_diffmap.workers import WorkerPool
+
+__all__ = ["Strategy", "current_step"]
+
+_tracing = _tf_internal.replica_tracing()
+
+
+class StepState:
+    """What one replica step knows while it is traced (or run eagerly).
+
+    The step claims its version once its gradient is known, before its first
+    update; updates that need no gradient (weight decay) wait for the claim.
+
+    Attributes:
+        replica_id: int32 scalar tensor.
+        read_version: the store version read before the forward pass.
+        staleness: int64 scalar, set once the version is claimed.
+    """
+
+    def __init__(self, store: ParameterStore, replica_id: tf.Tensor):
+        self.store = store
+        self.replica_id = replica_id
+        self.graph = tf.compat.v1.get_default_graph()
+        self.read_version = store.read_version()
+        self.staleness: tf.Tensor | None = None
+        self.applied: tf.Tensor | None = None
+        self._deferred: list = []
+
+    @property
+    def claimed(self) -> bool:
+        return self.staleness is not None
+
+    def claim(self, after: Sequence[Any]) -> tf.Tensor:
+        """Claims a version once `after` (the gradients) are computed."""
+        if self.staleness is not None:
+            return self.staleness
+        if tf.compat.v1.get_default_graph() is not self.graph:
+            raise ValueError(
+                "tf_diffmap.Strategy applies each update once per replica step, "
+                "but this step updates variables inside a conditional or loop "
+                "(for example an optimizer with gradient_accumulation_steps, or a "
+                "train_step that calls apply_gradients under tf.cond). Apply the "
+                "gradients unconditionally, once per step."
+            )
+        deps = [t for t in (_as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
+        with tf.control_dependencies(deps):
+            self.staleness = self.store.claim_version(self.read_version)
+        self.applied = tf.constant(True)
+        self._record = self.store.record(self.replica_id, self.staleness, self.applied)
+        deferred, self._deferred = self._deferred, []
+        for update in deferred:
+            update()
+        return self.staleness
+
+    def defer(self, update) -> None:
+        self._deferred.append(update)
+
+    def finish(self, outputs: Any) -> None:
+        """Runs what was deferred, claiming a version if none was yet."""
+        if self._deferred and self.staleness is None:
+            self.claim(after=outputs)
+
+
+_current = threading.local()
+
+
+def current_step() -> StepState | None:
+    """The replica step being traced in this thread, if any.
+
+    `tf_diffmap.AsyncOptimizer` reads the step's staleness from here.
+    """
+    return getattr(_current, "step", None)
+
+
+@contextlib.contextmanager
+def _replica_step(state: StepState | None):
+    previous = (_tracing.active, getattr(_current, "step", None))
+    _tracing.active, _current.step = True, state
+    try:
+        yield
+    finally:
+        _tracing.active, _current.step = previous
+
+
+def _as_dependency(value):
+    if isinstance(value, tf.IndexedSlices):
+        return value.values
+    if isinstance(value, (tf.Tensor, tf.Operation)):
+        return value
+    return None
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
+
+
+class _Program:
+    """One traced replica step and how to feed it."""
+
+    def __init__(self, extended: _AsyncExtended, fn, args, kwargs):
+        self.extended = extended
+        self.structure = (args, kwargs)
+        leaves = tf.nest.flatten(self.structure)
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if _is_tensor(leaf)]
+        self.static_leaves = list(leaves)
+        specs = []
+        for i in self.tensor_positions:
+            leaf = leaves[i]
+            if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+                raise ValueError(
+                    "tf_diffmap.Strategy splits batches of dense tensors into "
+                    f"shards, received a {type(leaf).__name__}. Convert it to a "
+                    "dense tensor in the input pipeline (for example "
+                    "`.to_tensor()`), or pad it there."
+                )
+            leaf = tf.convert_to_tensor(leaf)
+            shape = leaf.shape
+            if shape.rank:
+                shape = tf.TensorShape([None]).concatenate(shape[1:])
+            specs.append(tf.TensorSpec(shape, leaf.dtype))
+            self.static_leaves[i] = None
+        self.specs = specs
+        self.trains = False
+        self.latest: list | None = None
+        self._trace(fn)
+
+    def _pack(self, tensors):
+        leaves = list(self.static_leaves)
+        for i, tensor in zip(self.tensor_positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(self.structure, leaves)
+
+    def _trace(self, fn) -> None:
+        extended = self.extended
+        strategy = extended._container_strategy()
+        install_summary_state = _tf_internal.capture_summary_state()
+        dtype_policy = keras.config.dtype_policy()
+        result: dict[str, Any] = {}
+
+        def replica_step(replica_id, *tensors):
+            args, kwargs = self._pack(tensors)
+            with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id):
+                state = StepState(extended._store, replica_id)
+                with _replica_step(state):
+                    with tf.control_dependencies([state.read_version]):
+                        outputs = fn(*args, **kwargs)
+                    state.finish(outputs)
+            result["trains"] = state.claimed
+            return outputs
+
+        def trace():
+            try:
+                install_summary_state()
+                keras.config.set_dtype_policy(dtype_policy)
+                with strategy.scope():
+                    function = tf.function(replica_step, autograph=False)
+                    result["concrete"] = function.get_concrete_function(
+                        tf.TensorSpec([], tf.int32), *self.specs
+                    )
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                result["error"] = error
+
+        thread = threading.Thread(target=trace, name="tf_diffmap-trace")
+        thread.start()
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        self.concrete = result["concrete"]
+        self.trains = result["trains"]
+        outputs = self.concrete.structured_outputs
+        self.output_structure = outputs
+        out_leaves = tf.nest.flatten(outputs)
+        self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
+        self.output_specs = [tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions]
+        self.static_outputs = [None if isinstance(o, tf.Tensor) else o for o in out_leaves]
+
+    def _pack_outputs(self, tensors):
+        leaves = list(self.static_outputs)
+        for i, tensor in zip(self.output_positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(self.output_structure, leaves)
+
+    # -- in Keras' graph --------------------------------------------------
+
+    def call_in_graph(self, args, kwargs):
+        """A synchronous step: drain, then run on the first replica device."""
+        leaves = tf.nest.flatten((args, kwargs))
+        tensors = [leaves[i] for i in self.tensor_positions]
+        drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
+        with tf.control_dependencies([drained]), tf.device(self.extended.replica_devices[0]):
+            outputs = self.concrete(tf.constant(0, tf.int32), *tensors)
+        return outputs
+
+    def dispatch_in_graph(self, args, kwargs):
+        """An asynchronous step: queue the shards, return recent outputs."""
+        leaves = tf.nest.flatten((args, kwargs))
+        tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
+        flat = tf.py_function(
+            self._dispatch,
+            tensors,
+            [s.dtype for s in self.output_specs],
+            name="tf_diffmap_dispatch",
+        )
+        if not isinstance(flat, (list, tuple)):
+            flat = [flat]
+        for tensor, spec in zip(flat, self.output_specs):
+            tensor.set_shape(spec.shape)
+        return self._pack_outputs(flat)
+
+    # -- in the dispatch op (eager, on a TensorFlow thread) -----------------
+
+    def _drain(self):
+        self.extended._pool.wait_for(lambda: self.extended._pool.in_flight == 0)
+        return True
+
+    def _dispatch(self, *tensors):
+        pool = self.extended._pool
+        shards = self.extended.split(tensors)
+        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
+        if pool.submit(tasks):
+            pool.wait_for(lambda: self.latest is not None)
+        return self.latest if self.latest is not None else self._placeholder_outputs()
+
+    def _placeholder_outputs(self):
+        # Only returned after a replica failed: the caller's thread raises that
+        # error at its next step, so these values are never reported.
+        return [
+            tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
+            for s in self.output_specs
+        ]
+
+    # -- in a worker thread ---------------------------------------------------
+
+    def _run_shard(self, shard, replica_id: int) -> None:
+        with tf.device(self.extended.replica_devices[replica_id]):
+            outputs = self.concrete(tf.constant(replica_id, tf.int32), *shard)
+        flat = tf.nest.flatten(outputs)
+        self.latest = [flat[i] for i in self.output_positions]
+
+
+class _AsyncExtended(_tf_internal.ExtendedBase):
+    """The `tf.distribute` hooks of `Strategy` (private TensorFlow API)."""
+
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        replica_devices: list[str],
+        parameter_devices: list[str],
+        max_staleness: int | None,
+        queue_size: int | None,
+    ):
+        super().__init__(container_strategy)
+        self.replica_devices = replica_devices
+        self.parameter_devices_list = parameter_devices
+        self._store = ParameterStore(
+            parameter_devices, len(replica_devices), on_host_access=self._on_host_access
+        )
+        self._pool = WorkerPool(
+            len(replica_devices),
+            name="tf_diffmap",
+            queue_size=queue_size,
+            max_staleness=max_staleness,
+        )
+        self._programs: dict[Any, _Program] = {}
+        self._store_variable_ids: set[int] = set()
+
+    # -- drain --------------------------------------------------------------
+
+    def _on_host_access(self) -> None:
+        if self._pool.in_worker():
+            return
+        self._pool.drain()
+
+    def _before_next_batch(self) -> None:
+        self._pool.raise_error()
+        room = self._pool.queue_size - len(self.replica_devices)
+        self._pool.wait_for(lambda: len(self._pool._queue) <= max(room, 0))
+        self._pool.raise_error()
+
+    # -- variables ----------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        variable = self._store.create(next_creator, kwargs)
+        self._store_variable_ids.add(id(variable))
+        return variable
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        del colocate_with_variable  # Any store variable can host its slots.
+
+    def variable_created_in_scope(self, v):
+        return id(v) in self._store_variable_ids
+
+    def _check_store_variable(self, var) -> None:
+        if id(var) not in self._store_variable_ids:
+            raise ValueError(
+                f"Variable {getattr(var, 'name', var)!r} was not created under "
+                "this tf_diffmap.Strategy's scope, so it has no place in the "
+                "parameter store. Build and compile the model (and create its "
+                "optimizer) inside `with strategy.scope():`."
+            )
+
+    def read_var(self, v):
+        return tf.identity(v)
+
+    def value_container(self, value):
+        return value
+
+    # -- replica steps ------------------------------------------------------
+
+    @property
+    def _num_replicas_in_sync(self):
+        # Inside a replica step each replica applies its own update, as a
+        # one-replica step would: Keras must not divide its loss by N there.
+        return 1 if _tracing.active else len(self.replica_devices)
+
+    def _use_merge_call(self):
+        return False
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group
+
+    def _in_multi_worker_mode(self):
+        return False
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        kwargs = kwargs or {}
+        if tf.executing_eagerly():
+            return self._run_eagerly(fn, args, kwargs)
+        program = self._program_for(fn, args, kwargs)
+        if program.trains:
+            return program.dispatch_in_graph(args, kwargs)
+        return program.call_in_graph(args, kwargs)
+
+    def _run_eagerly(self, fn, args, kwargs):
+        """`run_eagerly=True` and eager `strategy.run`: one replica, in order."""
+        self._pool.drain()
+        strategy = self._container_strategy()
+        with tf.device(self.replica_devices[0]), tf.distribute.ReplicaContext(
+            strategy, replica_id_in_sync_group=0
+        ):
+            state = StepState(self._store, tf.constant(0, tf.int32))
+            with _replica_step(state):
+                outputs = fn(*args, **kwargs)
+                state.finish(outputs)
+        return outputs
+
+    def _program_for(self, fn, args, kwargs) -> _Program:
+        target = inspect.unwrap(fn)
+        leaves = tf.nest.flatten((args, kwargs))
+        signature = tuple(
+            (tuple(tf.TensorShape(leaf.shape)[1:].as_list()) if getattr(leaf, "shape", None) is not None and tf.TensorShape(leaf.shape).rank else None,
+             getattr(leaf, "dtype", type(leaf)))
+            if _is_tensor(leaf)
+            else ("static", repr(leaf))
+            for leaf in leaves
+        )
+        key = (target, tf.nest.map_structure(lambda _: 0, (args, kwargs)).__repr__(), signature)
+        program = self._programs.get(key)
+        if program is None:
+            program = _Program(self, fn, args, kwargs)
+            self._programs[key] = program
+        return program
+
+    def split(self, tensors) -> list[list[tf.Tensor]]:
+        """Splits a host batch into one shard per replica (empty ones dropped)."""
+        batch = next((int(t.shape[0]) for t in tensors if t.shape.rank), None)
+        if batch is None:
+            return [list(tensors)]
+        replicas = len(self.replica_devices)
+        sizes = [batch // replicas + (1 if r < batch % replicas else 0) for r in range(replicas)]
+        sizes = [s for s in sizes if s]
+        pieces = [tf.split(t, sizes) if t.shape.rank else [t] * len(sizes) for t in tensors]
+        return [list(shard) for shard in zip(*pieces)]
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # Each replica applies its own gradient: there is nothing to reduce.
+        # When Keras aggregates gradients, they are known: claim the version.
+        state = current_step()
+        if state is not None:
+            state.claim(after=value)
+        return value
+
+    def _replica_ctx_update(self, var, fn, args=(), kwargs=None, group=True):
+        kwargs = kwargs or {}
+        self._check_store_variable(var)
+        state = current_step()
+
+        def apply():
+            with tf.device(var.device):
+                return fn(var, *args, **kwargs)
+
+        if state is None:
+            return apply()
+        if not state.claimed:
+            inputs = [a for a in tf.nest.flatten((args, kwargs)) if _as_dependency(a) is not None]
+            if not any(isinstance(_as_dependency(a), tf.Tensor) and a.dtype == var.dtype and a.shape == var.shape for a in inputs):
+                # No gradient yet (weight decay comes before the gradients in
+                # Keras): apply it after the step claims its version.
+                state.defer(apply)
+                return None
+            state.claim(after=inputs)
+        with tf.control_dependencies([state.staleness]):
+            return apply()
+
+    def _update(self, var, fn, args, kwargs, group):
+        with tf.device(var.device):
+            return fn(var, *args, **kwargs)
+
+    def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
+        device = colocate_with[0].device if colocate_with else self._store.host
+        with tf.device(device):
+            return fn(*args, **kwargs)
+
+    def non_slot_devices(self, var_list):
+        return self._store.host
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # Values are never per-replica here: every step's result is whole.
+        return value
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return [value for value, _ in value_destination_pairs]
+
+    def _local_results(self, val):
+        return (val,)
+
+    def _broadcast_to(self, tensor, destinations):
+        return tensor
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        return value
+
+    # -- datasets -------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        return HostDataset(dataset, self._before_next_batch)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        context = tf.distribute.InputContext(
+            num_input_pipelines=1,
+            input_pipeline_id=0,
+            num_replicas_in_sync=len(self.replica_devices),
+        )
+        return HostDataset(dataset_fn(context), self._before_next_batch)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        raise NotImplementedError(
+            "tf_diffmap.Strategy feeds whole batches and splits them itself; "
+            "distribute_values_from_function is not supported. Pass a "
+            "tf.data.Dataset or arrays to model.fit instead."
+        )
+
+    # -- facts --------------------------------------------------------------
+
+    @property
+    def worker_devices(self):
+        return tuple(dict.fromkeys(self.replica_devices))
+
+    @property
+    def parameter_devices(self):
+        return tuple(self.parameter_devices_list)
+
+    @property
+    def experimental_between_graph(self):
+        return False
+
+    @property
+    def experimental_should_init(self):
+        return True
+
+    @property
+    def should_checkpoint(self):
+        return True
+
+    @property
+    def should_save_summary(self):
+        return True
+
+    @property
+    def _global_batch_size(self):
+        return True
+
+
+class Strategy(_tf_internal.StrategyBase):
+    """Asynchronous data-parallel training for Keras 3 and `tf.distribute`.
+
+    Each replica computes the gradient of its own shard of every batch and
+    applies it to the parameter store at once, without waiting for the other
+    replicas; a version counter measures how stale each update was.
+
+    Args:
+        devices: replica devices; by default every GPU, else every logical
+            CPU device (see `tf_diffmap.split_devices`).
+        parameter_device: where the parameter store lives: one device name,
+            or several to shard the variables over them. Defaults to the
+            host's CPU.
+        replicas_per_device: replicas (worker threads) on each device, to keep
+            a large device busy while one replica waits for input or the store.
+        max_staleness: Stale Synchronous Parallel bound: no replica starts a
+            step while more than this many steps ahead of the slowest. `None`
+            (default) is fully asynchronous; 0 is lock-step.
+        queue_size: shards that may wait for a free replica; defaults to two
+            per replica.
+
+    Raises:
+        ValueError: an unknown or missing device, an empty device list, or an
+            out-of-range option; the message names the value received.
+
+    Example:
+        >>> import keras, numpy as np, tf_diffmap
+        >>> strategy = tf_diffmap.Strategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+        >>> _ = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        >>> strategy.version
+        4
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        parameter_device: str | Sequence[str] | None = None,
+        replicas_per_device: int = 1,
+        max_staleness: int | None = None,
+        queue_size: int | None = None,
+    ):
+        _tf_internal.check_compatibility()
+        if isinstance(replicas_per_device, bool) or not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+            raise ValueError(
+                f"replicas_per_device must be an int >= 1, received {replicas_per_device!r}."
+            )
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+        ):
+            raise ValueError(
+                "max_staleness must be None (fully asynchronous) or an int >= 0 "
+                f"(0 is lock-step), received {max_staleness!r}."
+            )
+        if queue_size is not None and (not isinstance(queue_size, int) or queue_size < 1):
+            raise ValueError(f"queue_size must be an int >= 1, received {queue_size!r}.")
+        if devices is None:
+            base = default_replica_devices()
+        else:
+            base = resolve_devices(devices, "devices")
+        if parameter_device is None:
+            parameters = resolve_devices(["CPU:0"], "parameter_device")
+        else:
+            parameters = resolve_devices(parameter_device, "parameter_device")
+        replicas = [d for d in base for _ in range(replicas_per_device)]
+        if queue_size is not None and queue_size < len(replicas):
+            raise ValueError(
+                f"queue_size must hold at least one shard per replica ({len(replicas)}), "
+                f"received {queue_size}."
+            )
+        super().__init__(
+            _AsyncExtended(self, replicas, parameters, max_staleness, queue_size)
+        )
+
+    # -- what a user reads ----------------------------------------------------
+
+    @property
+    def replica_devices(self) -> tuple[str, ...]:
+        """The device of each replica, by replica id."""
+        return tuple(self.extended.replica_devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The devices the parameter store is sharded over."""
+        return tuple(self.extended.parameter_devices_list)
+
+    @property
+    def max_staleness(self) -> int | None:
+        """The Stale Synchronous Parallel bound, or None."""
+        return self.extended._pool.max_staleness
+
+    @property
+    def version(self) -> int:
+        """Updates the store has applied (a snapshot; does not drain)."""
+        return int(self.extended._store.version.numpy())
+
+    def statistics(self) -> StalenessStats:
+        """Per-replica updates, staleness and histogram (a snapshot)."""
+        return self.extended._store.statistics()
+
+    def reset_statistics(self) -> None:
+        """Zeroes the per-replica counters after waiting for updates in flight."""
+        self.drain()
+        self.extended._store.reset_statistics()
+
+    def drain(self) -> None:
+        """Waits until every dispatched shard has been applied.
+
+        Raises:
+            Exception: the exception a replica's step raised, if one did.
+        """
+        self.extended._pool.drain()
+
+    def shutdown(self) -> None:
+        """Drops queued shards and stops the worker threads now.
+
+        Threads also stop by themselves a second after their last shard, and
+        start again with the next step.
+        """
+        self.extended._pool.shutdown()
+
+    def worker_threads(self) -> list[threading.Thread]:
+        """The worker threads alive now (for tests and diagnostics)."""
+        return self.extended._pool.threads()
+
+    def replica_steps(self) -> list[int]:
+        """Steps (shards) each replica has completed since the strategy began."""
+        return self.extended._pool.steps()
+
+    def __repr__(self) -> str:
+        return (
+            f"tf_diffmap.Strategy(devices={list(dict.fromkeys(self.replica_devices))}, "
+            f"replicas={len(self.replica_devices)}, "
+            f"parameter_device={list(self.parameter_devices)}, "
+            f"max_staleness={self.max_staleness})"
+        )
