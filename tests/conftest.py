@@ -8,3 +8,42 @@ import tf_diffmap  # noqa: E402
 
 NUM_CPU_DEVICES = 4
 tf_diffmap.split_devices(NUM_CPU_DEVICES, "CPU")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def classification_data(n: int = 512, features: int = 8, seed: int = 0):
+    """A small separable two-class problem."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    return x, y
+
+
+def mlp(features: int = 8, classes: int = 2, hidden: int = 16) -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(classes),
+        ]
+    )
+
+
+LOGITS_LOSS = "sparse_categorical_crossentropy"
+
+
+def compile_logits(model: keras.Model, optimizer="adam", **kwargs) -> None:
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def data():
+    return classification_data()

@@ -1,5 +1,6 @@
 """tf_diffmap: asynchronous data-parallel training for TensorFlow 2 and Keras 3."""
 
+from tf_diffmap import testing
 from tf_diffmap.devices import default_replica_devices, split_devices
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
@@ -11,5 +12,6 @@ __all__ = [
     "StalenessStats",
     "split_devices",
     "default_replica_devices",
+    "testing",
     "__version__",
 ]

@@ -15,8 +15,7 @@ import threading
 from collections.abc import Callable
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops import summary_ops_v2
+from tensorflow.python.ops import resource_variable_ops, summary_ops_v2
 
 TESTED_TENSORFLOW = ("2.21",)
 
@@ -73,8 +72,7 @@ def compatibility_problems() -> list[str]:
                 problems.append(f"StrategyExtended.{name} is no longer a property")
         elif _parameter_names(member)[: len(params)] != params:
             problems.append(
-                f"StrategyExtended.{name} takes {_parameter_names(member)}, "
-                f"expected {params}"
+                f"StrategyExtended.{name} takes {_parameter_names(member)}, expected {params}"
             )
     for name, caller in CALLED_HOOKS.items():
         try:
@@ -89,13 +87,10 @@ def compatibility_problems() -> list[str]:
             problems.append(f"ResourceVariable has no `{name}`")
         elif _parameter_names(member)[: len(params)] != params:
             problems.append(
-                f"ResourceVariable.{name} takes {_parameter_names(member)}, "
-                f"expected {params}"
+                f"ResourceVariable.{name} takes {_parameter_names(member)}, expected {params}"
             )
     state = getattr(summary_ops_v2, "_summary_state", None)
-    if state is None or not all(
-        hasattr(state, a) for a in ("writer", "step", "is_recording")
-    ):
+    if state is None or not all(hasattr(state, a) for a in ("writer", "step", "is_recording")):
         problems.append("tf.summary keeps its per-thread state elsewhere")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
@@ -205,9 +200,7 @@ class StoreVariable(ResourceVariable):
                 return super().assign_add(
                     delta, use_locking=use_locking, name=name, read_value=read_value
                 )
-        return super().assign(
-            value, use_locking=use_locking, name=name, read_value=read_value
-        )
+        return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         self._before_eager_access()

@@ -50,21 +50,15 @@ def split_devices(
         ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
     """
     if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(
-            f"split_devices needs num_replicas >= 1, received {num_replicas!r}."
-        )
+        raise ValueError(f"split_devices needs num_replicas >= 1, received {num_replicas!r}.")
     kind = device_type.upper()
     if kind not in ("AUTO", "CPU", "GPU"):
-        raise ValueError(
-            f"device_type must be 'CPU', 'GPU' or 'auto', received {device_type!r}."
-        )
+        raise ValueError(f"device_type must be 'CPU', 'GPU' or 'auto', received {device_type!r}.")
     gpus = tf.config.list_physical_devices("GPU")
     if kind == "AUTO":
         kind = "GPU" if gpus else "CPU"
     if kind == "GPU" and not gpus:
-        raise ValueError(
-            "split_devices(device_type='GPU') found no GPU; use 'CPU' or 'auto'."
-        )
+        raise ValueError("split_devices(device_type='GPU') found no GPU; use 'CPU' or 'auto'.")
     if kind == "GPU" and gpu_memory_mb is None:
         raise ValueError(
             "Splitting a GPU needs gpu_memory_mb, the memory of each logical "
@@ -140,9 +134,7 @@ def resolve_devices(devices: Sequence[str] | str, what: str = "devices") -> list
     resolved = []
     for name in devices:
         if not isinstance(name, str):
-            raise ValueError(
-                f"{what} must hold device names (str), received {name!r}."
-            )
+            raise ValueError(f"{what} must hold device names (str), received {name!r}.")
         try:
             canonical = _canonical(name)
         except ValueError:

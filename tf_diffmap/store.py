@@ -59,12 +59,8 @@ class ParameterStore:
                 tf.constant(0, tf.int64), trainable=False, name="store_version"
             )
             self.updates = tf.Variable(zeros, trainable=False, name="updates")
-            self.staleness_sum = tf.Variable(
-                zeros, trainable=False, name="staleness_sum"
-            )
-            self.staleness_max = tf.Variable(
-                zeros, trainable=False, name="staleness_max"
-            )
+            self.staleness_sum = tf.Variable(zeros, trainable=False, name="staleness_sum")
+            self.staleness_max = tf.Variable(zeros, trainable=False, name="staleness_max")
             self.dropped = tf.Variable(zeros, trainable=False, name="dropped")
             self.histogram = tf.Variable(
                 tf.zeros([num_replicas, self.histogram_bins], tf.int64),
@@ -95,7 +91,11 @@ class ParameterStore:
     def create(self, next_creator, kwargs: dict) -> tf.Variable:
         """Creates a variable on its store device (the strategy's creator)."""
         initial_value = kwargs.get("initial_value")
-        if kwargs.get("shape") is None and initial_value is not None and not callable(initial_value):
+        if (
+            kwargs.get("shape") is None
+            and initial_value is not None
+            and not callable(initial_value)
+        ):
             kwargs_for_size = dict(kwargs, shape=getattr(initial_value, "shape", None))
         else:
             kwargs_for_size = kwargs
@@ -125,7 +125,9 @@ class ParameterStore:
             )
             return before - read_version
 
-    def record(self, replica_id: tf.Tensor, staleness: tf.Tensor, applied: tf.Tensor) -> tf.Operation:
+    def record(
+        self, replica_id: tf.Tensor, staleness: tf.Tensor, applied: tf.Tensor
+    ) -> tf.Operation:
         """Adds one update's staleness to the replica's statistics.
 
         Args:

@@ -88,18 +88,23 @@ class StepState:
             self.staleness = self.store.claim_version(self.read_version)
         self.applied = tf.constant(True)
         self._record = self.store.record(self.replica_id, self.staleness, self.applied)
-        deferred, self._deferred = self._deferred, []
-        for update in deferred:
-            update()
         return self.staleness
 
     def defer(self, update) -> None:
         self._deferred.append(update)
 
+    def flush(self) -> None:
+        """Applies the deferred updates (after the claim)."""
+        deferred, self._deferred = self._deferred, []
+        with tf.control_dependencies([self.staleness]):
+            for update in deferred:
+                update()
+
     def finish(self, outputs: Any) -> None:
         """Runs what was deferred, claiming a version if none was yet."""
-        if self._deferred and self.staleness is None:
+        if self._deferred:
             self.claim(after=outputs)
+            self.flush()
 
 
 _current = threading.local()
@@ -178,41 +183,61 @@ class _Program:
         dtype_policy = keras.config.dtype_policy()
         result: dict[str, Any] = {}
 
-        def replica_step(replica_id, *tensors):
-            args, kwargs = self._pack(tensors)
-            with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id):
-                state = StepState(extended._store, replica_id)
-                with _replica_step(state):
-                    with tf.control_dependencies([state.read_version]):
-                        outputs = fn(*args, **kwargs)
-                    state.finish(outputs)
-            result["trains"] = state.claimed
-            return outputs
+        def make_replica_step(device):
+            def replica_step(replica_id, *tensors):
+                args, kwargs = self._pack(tensors)
+                with (
+                    tf.device(device),
+                    tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
+                ):
+                    state = StepState(extended._store, replica_id)
+                    with _replica_step(state):
+                        with tf.control_dependencies([state.read_version]):
+                            outputs = fn(*args, **kwargs)
+                        state.finish(outputs)
+                result.setdefault("trains", state.claimed)
+                return outputs
+
+            return replica_step
 
         def trace():
             try:
                 install_summary_state()
                 keras.config.set_dtype_policy(dtype_policy)
                 with strategy.scope():
-                    function = tf.function(replica_step, autograph=False)
-                    result["concrete"] = function.get_concrete_function(
-                        tf.TensorSpec([], tf.int32), *self.specs
-                    )
+                    for device in dict.fromkeys(extended.replica_devices):
+                        function = tf.function(make_replica_step(device), autograph=False)
+                        self.concretes[device] = function.get_concrete_function(
+                            tf.TensorSpec([], tf.int32), *self.specs
+                        )
+                        if not result["trains"]:
+                            break  # A synchronous step runs on the first device only.
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 result["error"] = error
 
+        self.concretes: dict[str, Any] = {}
         thread = threading.Thread(target=trace, name="tf_diffmap-trace")
         thread.start()
         thread.join()
         if "error" in result:
-            raise result["error"]
-        self.concrete = result["concrete"]
+            error = result["error"]
+            if isinstance(error, RuntimeError) and "Mixing different tf.distribute" in str(error):
+                raise RuntimeError(
+                    f"{error} -- an object used in the step (usually the "
+                    "optimizer) was created outside `strategy.scope()`. Create "
+                    "it inside the scope, for example `with strategy.scope(): "
+                    "model.compile(optimizer=keras.optimizers.SGD(...), ...)`."
+                ) from error
+            raise error
+        self.concrete = self.concretes[extended.replica_devices[0]]
         self.trains = result["trains"]
         outputs = self.concrete.structured_outputs
         self.output_structure = outputs
         out_leaves = tf.nest.flatten(outputs)
         self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
-        self.output_specs = [tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions]
+        self.output_specs = [
+            tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions
+        ]
         self.static_outputs = [None if isinstance(o, tf.Tensor) else o for o in out_leaves]
 
     def _pack_outputs(self, tensors):
@@ -228,7 +253,7 @@ class _Program:
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [leaves[i] for i in self.tensor_positions]
         drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
-        with tf.control_dependencies([drained]), tf.device(self.extended.replica_devices[0]):
+        with tf.control_dependencies([drained]):
             outputs = self.concrete(tf.constant(0, tf.int32), *tensors)
         return outputs
 
@@ -273,8 +298,8 @@ class _Program:
     # -- in a worker thread ---------------------------------------------------
 
     def _run_shard(self, shard, replica_id: int) -> None:
-        with tf.device(self.extended.replica_devices[replica_id]):
-            outputs = self.concrete(tf.constant(replica_id, tf.int32), *shard)
+        concrete = self.concretes[self.extended.replica_devices[replica_id]]
+        outputs = concrete(tf.constant(replica_id, tf.int32), *shard)
         flat = tf.nest.flatten(outputs)
         self.latest = [flat[i] for i in self.output_positions]
 
@@ -376,8 +401,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         """`run_eagerly=True` and eager `strategy.run`: one replica, in order."""
         self._pool.drain()
         strategy = self._container_strategy()
-        with tf.device(self.replica_devices[0]), tf.distribute.ReplicaContext(
-            strategy, replica_id_in_sync_group=0
+        with (
+            tf.device(self.replica_devices[0]),
+            tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
         ):
             state = StepState(self._store, tf.constant(0, tf.int32))
             with _replica_step(state):
@@ -389,8 +415,12 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         target = inspect.unwrap(fn)
         leaves = tf.nest.flatten((args, kwargs))
         signature = tuple(
-            (tuple(tf.TensorShape(leaf.shape)[1:].as_list()) if getattr(leaf, "shape", None) is not None and tf.TensorShape(leaf.shape).rank else None,
-             getattr(leaf, "dtype", type(leaf)))
+            (
+                tuple(tf.TensorShape(leaf.shape)[1:].as_list())
+                if getattr(leaf, "shape", None) is not None and tf.TensorShape(leaf.shape).rank
+                else None,
+                getattr(leaf, "dtype", type(leaf)),
+            )
             if _is_tensor(leaf)
             else ("static", repr(leaf))
             for leaf in leaves
@@ -434,12 +464,18 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             return apply()
         if not state.claimed:
             inputs = [a for a in tf.nest.flatten((args, kwargs)) if _as_dependency(a) is not None]
-            if not any(isinstance(_as_dependency(a), tf.Tensor) and a.dtype == var.dtype and a.shape == var.shape for a in inputs):
+            if not any(
+                isinstance(_as_dependency(a), tf.Tensor)
+                and a.dtype == var.dtype
+                and a.shape == var.shape
+                for a in inputs
+            ):
                 # No gradient yet (weight decay comes before the gradients in
                 # Keras): apply it after the step claims its version.
                 state.defer(apply)
                 return None
             state.claim(after=inputs)
+        state.flush()
         with tf.control_dependencies([state.staleness]):
             return apply()
 
@@ -568,12 +604,18 @@ class Strategy(_tf_internal.StrategyBase):
         queue_size: int | None = None,
     ):
         _tf_internal.check_compatibility()
-        if isinstance(replicas_per_device, bool) or not isinstance(replicas_per_device, int) or replicas_per_device < 1:
+        if (
+            isinstance(replicas_per_device, bool)
+            or not isinstance(replicas_per_device, int)
+            or replicas_per_device < 1
+        ):
             raise ValueError(
                 f"replicas_per_device must be an int >= 1, received {replicas_per_device!r}."
             )
         if max_staleness is not None and (
-            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+            isinstance(max_staleness, bool)
+            or not isinstance(max_staleness, int)
+            or max_staleness < 0
         ):
             raise ValueError(
                 "max_staleness must be None (fully asynchronous) or an int >= 0 "
@@ -595,9 +637,7 @@ class Strategy(_tf_internal.StrategyBase):
                 f"queue_size must hold at least one shard per replica ({len(replicas)}), "
                 f"received {queue_size}."
             )
-        super().__init__(
-            _AsyncExtended(self, replicas, parameters, max_staleness, queue_size)
-        )
+        super().__init__(_AsyncExtended(self, replicas, parameters, max_staleness, queue_size))
 
     # -- what a user reads ----------------------------------------------------
 

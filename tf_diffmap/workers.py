@@ -209,9 +209,7 @@ class WorkerPool:
                 task(replica_id)
             except BaseException as error:  # noqa: BLE001 - handed to the caller
                 if not isinstance(error, Exception):
-                    wrapped = WorkerError(
-                        f"replica {replica_id} stopped: {error!r}"
-                    )
+                    wrapped = WorkerError(f"replica {replica_id} stopped: {error!r}")
                     wrapped.__cause__ = error
                     error = wrapped
                 self._fail(error)

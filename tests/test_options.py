@@ -1,0 +1,70 @@
+"""Bad input gets a clear error naming the value and what to do."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+
+def test_defaults_use_every_logical_cpu_device():
+    strategy = tf_diffmap.Strategy()
+    assert len(strategy.replica_devices) == 4
+    assert strategy.num_replicas_in_sync == 4
+    assert strategy.parameter_devices == ("/device:CPU:0",)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"devices": []}, "devices is empty"),
+        ({"devices": ["GPU:0"]}, "'GPU:0', which this process does not have"),
+        ({"devices": ["CPU:9"]}, "Available devices"),
+        ({"devices": ["CPU:0", "cpu:0"]}, "replicas_per_device"),
+        ({"devices": ["not a device"]}, "not a device"),
+        ({"parameter_device": "CPU:17"}, "parameter_device names 'CPU:17'"),
+        ({"replicas_per_device": 0}, "replicas_per_device must be an int >= 1, received 0"),
+        ({"max_staleness": -1}, "max_staleness must be None .* received -1"),
+        ({"queue_size": 2}, "at least one shard per replica"),
+    ],
+)
+def test_bad_options_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tf_diffmap.Strategy(**kwargs)
+
+
+def test_splitting_after_initialization_says_what_to_do():
+    with pytest.raises(RuntimeError, match="before creating tensors"):
+        tf_diffmap.split_devices(2, "CPU")
+    # The configuration already in place is accepted again.
+    assert len(tf_diffmap.split_devices(4, "CPU")) == 4
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5])
+def test_split_devices_rejects_bad_counts(value):
+    with pytest.raises(ValueError, match="num_replicas >= 1"):
+        tf_diffmap.split_devices(value)
+
+
+def test_model_built_outside_the_scope_is_refused():
+    strategy = tf_diffmap.Strategy()
+    model = mlp()  # variables created outside the scope
+    with strategy.scope():
+        compile_logits(model, keras.optimizers.SGD(0.1))
+    x, y = classification_data(64)
+    with pytest.raises(ValueError, match="not created under this tf_diffmap.Strategy's scope"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_sparse_inputs_are_refused_with_advice():
+    import tensorflow as tf
+
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,), sparse=True), keras.layers.Dense(2)])
+        compile_logits(model)
+    x = tf.sparse.from_dense(np.eye(8, dtype="float32")[np.arange(32) % 8])
+    ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(32, "int32"))).batch(8)
+    with pytest.raises(ValueError, match="dense tensors"):
+        model.fit(ds, epochs=1, verbose=0)

@@ -1,0 +1,83 @@
+"""What is saved is what was trained, and loads without tf_diffmap."""
+
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+
+def trained(tmp_path):
+    x, y = classification_data(256)
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        model = keras.Model(inputs, keras.layers.Dense(2)(h))
+        compile_logits(model)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return strategy, model, x, y
+
+
+def test_keras_file_round_trip_and_load_without_the_package(tmp_path):
+    strategy, model, x, _ = trained(tmp_path)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    expected = model.predict(x[:16], verbose=0)
+    reloaded = keras.models.load_model(path)
+    np.testing.assert_allclose(reloaded.predict(x[:16], verbose=0), expected, rtol=1e-6)
+    np.save(tmp_path / "x.npy", x[:16])
+    np.save(tmp_path / "expected.npy", expected)
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy as np, keras
+        model = keras.models.load_model({str(path)!r})
+        got = model.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0)
+        np.testing.assert_allclose(got, np.load({str(tmp_path / "expected.npy")!r}), rtol=1e-5)
+        assert "tf_diffmap" not in sys.modules
+        print("loaded without tf_diffmap")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "loaded without tf_diffmap" in result.stdout
+
+
+def test_checkpoint_round_trip_restores_model_and_optimizer(tmp_path):
+    strategy, model, x, y = trained(tmp_path)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    weights = [w.numpy() for w in model.weights]
+    slots = [v.numpy() for v in model.optimizer.variables]
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert not all(np.array_equal(a, w.numpy()) for a, w in zip(weights, model.weights))
+    checkpoint.restore(path).assert_consumed()
+    for a, w in zip(weights, model.weights):
+        np.testing.assert_array_equal(a, w.numpy())
+    for a, v in zip(slots, model.optimizer.variables):
+        np.testing.assert_array_equal(a, v.numpy())
+
+
+def test_saved_weights_are_every_update(tmp_path):
+    """Saving right after fit waits for the updates still in flight."""
+    strategy, model, _, _ = trained(tmp_path)
+    path = tmp_path / "w.weights.h5"
+    model.save_weights(path)
+    fresh = mlp()
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    fresh = keras.Model(inputs, keras.layers.Dense(2)(h))
+    fresh.load_weights(path)
+    for a, b in zip(fresh.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert strategy.extended._pool.in_flight == 0
+    assert strategy.version == 2 * 8 * 4

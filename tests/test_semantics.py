@@ -1,0 +1,146 @@
+"""What makes the strategy asynchronous, and correct."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+LR = 0.125  # a power of two: every multiple below is exact in float32
+
+
+def constant_gradient_model():
+    """With x of ones, sum over outputs of x @ w has gradient 1 per weight."""
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")]
+    )
+
+
+def per_example_loss(y_true, y_pred):
+    return tf.reduce_sum(y_pred, axis=-1)
+
+
+class ScalarLossStep(keras.Model):
+    def train_step(self, data):
+        x, _ = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.reduce_sum(self(x, training=True), axis=-1))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_no_update_is_lost_with_eight_contending_replicas():
+    strategy = tf_diffmap.Strategy(replicas_per_device=2)
+    assert strategy.num_replicas_in_sync == 8
+    with strategy.scope():
+        model = constant_gradient_model()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=per_example_loss)
+    x, y = np.ones((1024, 4), "float32"), np.zeros((1024, 3), "float32")
+    model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+    updates = strategy.version
+    assert updates == 3 * (1024 // 64) * 8
+    expected = -updates * LR
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), expected, "float32"))
+    assert int(model.optimizer.iterations.numpy()) == updates
+    assert int(strategy.statistics().updates.sum()) == updates
+
+
+def test_scalar_loss_is_not_rescaled():
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")(inputs)
+        model = ScalarLossStep(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(LR))
+    x = np.ones((256, 4), "float32")
+    model.fit(x, np.zeros((256, 3), "float32"), batch_size=32, epochs=1, verbose=0)
+    updates = strategy.version
+    assert updates == 8 * 4
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -updates * LR, "float32"))
+
+
+def test_num_replicas_in_sync_reads_one_inside_a_replica_step():
+    strategy = tf_diffmap.Strategy()
+    seen = []
+
+    def step():
+        seen.append(tf.distribute.get_replica_context().num_replicas_in_sync)
+        return tf.constant(1.0)
+
+    strategy.run(step)
+    assert seen == [1] and strategy.num_replicas_in_sync == 4
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_one_replica_matches_plain_keras(optimizer):
+    x, y = classification_data(256)
+    plain = mlp()
+    initial = plain.get_weights()
+    compile_logits(plain, optimizer)
+    strategy = tf_diffmap.Strategy(devices=["CPU:1"])
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, optimizer)
+    model.set_weights(initial)
+    plain_history = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(plain_history.history["loss"], history.history["loss"], rtol=1e-5)
+    assert strategy.statistics().overall_max_staleness == 0
+
+
+def test_a_slow_replica_takes_fewer_shards():
+    x, y = classification_data(1024)
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                tf_diffmap.testing.ReplicaDelay(0.03, replicas=[0]),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(2),
+            ]
+        )
+        compile_logits(model)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    updates = strategy.statistics().updates
+    assert int(updates.sum()) == 2 * 32 * 4
+    assert all(updates[0] < updates[r] for r in (1, 2, 3)), updates
+    # Updates of the fast replicas land while the slow one computes: staleness.
+    assert strategy.statistics().mean_staleness[0] > 1
+
+
+def test_store_sharded_over_parameter_devices():
+    x, y = classification_data(256)
+    strategy = tf_diffmap.Strategy(parameter_device=["CPU:2", "CPU:3"])
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    devices = {w.value.device for w in model.trainable_weights}
+    assert {tf.DeviceSpec.from_string(d).device_index for d in devices} == {2, 3}
+    # Each slot lives with its variable.
+    for slot in model.optimizer.variables[2:]:
+        assert slot.value.device.endswith(("CPU:2", "CPU:3"))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert strategy.version == 8 * 4
+
+
+def test_reading_weights_during_fit_sees_every_dispatched_update():
+    x, y = classification_data(512)
+    strategy = tf_diffmap.Strategy()
+    versions = []
+
+    class Reader(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.get_weights()  # an eager read drains first
+            versions.append(strategy.version)
+
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Reader()])
+    assert versions == [4 * (i + 1) for i in range(16)]

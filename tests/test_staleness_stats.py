@@ -1,0 +1,43 @@
+"""Staleness statistics are plain arithmetic on counters."""
+
+import numpy as np
+
+from tf_diffmap.staleness import StalenessStats
+
+
+def make(updates, sums, maxes, version=None, dropped=None):
+    n = len(updates)
+    hist = np.zeros((n, 4), np.int64)
+    return StalenessStats(
+        version=version if version is not None else int(sum(updates)),
+        updates=np.array(updates),
+        dropped=np.array(dropped or [0] * n),
+        staleness_sum=np.array(sums),
+        staleness_max=np.array(maxes),
+        histogram=hist,
+    )
+
+
+def test_means_and_shares_by_hand():
+    stats = make([4, 0, 6], [2, 0, 12], [1, 0, 5])
+    np.testing.assert_allclose(stats.mean_staleness, [0.5, 0.0, 2.0])
+    assert stats.overall_mean_staleness == 14 / 10
+    assert stats.overall_max_staleness == 5
+    np.testing.assert_allclose(stats.work_share, [0.4, 0.0, 0.6])
+
+
+def test_difference_between_snapshots():
+    before = make([1, 1], [0, 1], [0, 1])
+    after = make([5, 3], [4, 5], [2, 3], dropped=[1, 0])
+    delta = after.since(before)
+    assert delta.version == 6
+    np.testing.assert_array_equal(delta.updates, [4, 2])
+    np.testing.assert_allclose(delta.mean_staleness, [1.0, 2.0])
+    np.testing.assert_array_equal(delta.dropped, [1, 0])
+
+
+def test_text_and_dict_name_every_replica():
+    stats = make([3, 1], [3, 0], [2, 0], dropped=[0, 2])
+    text = str(stats)
+    assert "replica 0: 3 updates (75.0%)" in text and "dropped 2" in text
+    assert stats.as_dict()["max_staleness"] == [2, 0]

@@ -1,0 +1,213 @@
+"""`model.fit` and friends under the strategy, for the models users write."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+EPOCHS = 2
+BATCH = 32
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16)
+        self.norm = keras.layers.BatchNormalization()
+        self.dropout = keras.layers.Dropout(0.1)
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x, training=False):
+        h = tf.nn.relu(self.norm(self.hidden(x), training=training))
+        return self.out(self.dropout(h, training=training))
+
+
+class CustomStep(keras.Model):
+    """A custom `train_step` that applies its gradients itself."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = self(x, training=True)
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            )
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def functional():
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.1)(h)
+    return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+
+def custom_step():
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    return CustomStep(inputs, keras.layers.Dense(2)(h))
+
+
+MODELS = {
+    "sequential": mlp,
+    "functional": functional,
+    "subclassed": Subclassed,
+    "custom_train_step": custom_step,
+}
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(3e-3),
+    "adamw": lambda: keras.optimizers.AdamW(3e-3, weight_decay=1e-3),
+    "rmsprop": lambda: keras.optimizers.RMSprop(3e-3),
+}
+
+
+def expected_updates(n, batch, replicas, epochs):
+    per_batch = [
+        min(replicas, b) for b in [batch] * (n // batch) + ([n % batch] if n % batch else [])
+    ]
+    return epochs * sum(per_batch)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_models_train_and_every_shard_is_applied(model_name, data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = MODELS[model_name]()
+        compile_logits(model, keras.optimizers.Adam(3e-3))
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert strategy.version == expected_updates(len(x), BATCH, 4, EPOCHS)
+    assert int(model.optimizer.iterations.numpy()) == strategy.version
+    stats = strategy.statistics()
+    assert int(stats.updates.sum()) == strategy.version
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+def test_keras_optimizers_train(optimizer_name, data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, OPTIMIZERS[optimizer_name]())
+    before = model.evaluate(x, y, verbose=0)[0]
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
+    after = model.evaluate(x, y, verbose=0)[0]
+    assert after < before
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop"])
+def test_optimizer_by_name(optimizer, data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, optimizer)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert strategy.version == expected_updates(len(x), BATCH, 4, 1)
+
+
+def test_datasets_validation_steps_and_callbacks(tmp_path, data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(BATCH).repeat()
+    val = tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(64)
+    checkpoint = tmp_path / "best.weights.h5"
+    history = model.fit(
+        train,
+        steps_per_epoch=6,
+        epochs=3,
+        validation_data=val,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(str(checkpoint), save_weights_only=True),
+            keras.callbacks.EarlyStopping(monitor="loss", patience=5),
+            keras.callbacks.TensorBoard(str(tmp_path / "logs")),
+        ],
+    )
+    assert len(history.history["val_loss"]) == 3
+    assert strategy.version == 3 * 6 * 4
+    assert checkpoint.exists()
+    assert list((tmp_path / "logs" / "train").glob("events.out.tfevents.*"))
+    # The checkpoint written at the last epoch end holds what was trained.
+    restored = mlp()
+    restored.load_weights(str(checkpoint))
+    for a, b in zip(restored.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dataset_of_unknown_length_ends_epochs_cleanly(data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
+    assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    model.fit(ds, epochs=2, verbose=0)
+    assert strategy.version == expected_updates(len(x), BATCH, 4, 2)
+
+
+def test_evaluate_and_predict_match_a_plain_copy(data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    plain = mlp()
+    compile_logits(plain)
+    plain.set_weights(model.get_weights())
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=100, verbose=0),
+        plain.predict(x, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        model.evaluate(x, y, batch_size=100, verbose=0), plain.evaluate(x, y, verbose=0), rtol=1e-5
+    )
+
+
+def test_partial_last_batch_smaller_than_replica_count():
+    x, y = classification_data(34)  # last batch of 2 examples, 4 replicas
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert strategy.version == 4 + 4 + 2  # empty shards are not stepped
+
+
+def test_run_eagerly_applies_one_update_per_batch(data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, run_eagerly=True)
+    model.fit(x[:128], y[:128], batch_size=BATCH, epochs=1, verbose=0)
+    assert strategy.version == 4
+
+
+def test_several_replicas_per_device(data):
+    x, y = data
+    strategy = tf_diffmap.Strategy(devices=["CPU:0", "CPU:1"], replicas_per_device=3)
+    assert strategy.num_replicas_in_sync == 6
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    model.fit(x, y, batch_size=60, epochs=1, verbose=0)
+    assert strategy.version == expected_updates(len(x), 60, 6, 1)
