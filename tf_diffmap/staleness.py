@@ -1,8 +1,9 @@
 """Staleness statistics as plain data.
 
 The strategy counts, per replica, the updates it applied and how stale they
-were; this module turns those counters into the figures a user reads. It holds
-no TensorFlow state, so it is tested on its own.
+were; this module turns those counters into the figures a user reads, and
+holds the staleness-aware update rules as pure functions of tensors. Nothing
+here touches a variable, so all of it is tested on its own.
 """
 
 from __future__ import annotations
@@ -10,8 +11,16 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import tensorflow as tf
 
-__all__ = ["StalenessStats"]
+__all__ = [
+    "StalenessStats",
+    "staleness_bound",
+    "inverse_lr_scale",
+    "keep_update",
+    "mean_square_step",
+    "delay_compensated_gradient",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +35,9 @@ class StalenessStats:
         staleness_max: per replica, the largest staleness of an applied update.
         histogram: per replica, how many updates had staleness 0, 1, 2, ...;
             the last bin counts that staleness and everything above it.
+            Dropped updates are counted here too.
+        lr_scale_sum: per replica, the sum over applied updates of the factor
+            a staleness rule applied to the learning rate.
     """
 
     version: int
@@ -34,6 +46,7 @@ class StalenessStats:
     staleness_sum: np.ndarray
     staleness_max: np.ndarray
     histogram: np.ndarray
+    lr_scale_sum: np.ndarray | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -56,6 +69,15 @@ class StalenessStats:
         return int(np.max(self.staleness_max)) if len(self.staleness_max) else 0
 
     @property
+    def mean_lr_scale(self) -> np.ndarray:
+        """Per replica, the mean learning-rate factor of its applied updates."""
+        updates = np.asarray(self.updates, dtype=np.float64)
+        if self.lr_scale_sum is None:
+            return np.where(updates > 0, 1.0, 0.0)
+        sums = np.asarray(self.lr_scale_sum, dtype=np.float64)
+        return np.divide(sums, updates, out=np.zeros_like(sums), where=updates > 0)
+
+    @property
     def work_share(self) -> np.ndarray:
         """Per replica, its fraction of all applied updates."""
         updates = np.asarray(self.updates, dtype=np.float64)
@@ -74,6 +96,9 @@ class StalenessStats:
             staleness_sum=self.staleness_sum - earlier.staleness_sum,
             staleness_max=self.staleness_max,
             histogram=self.histogram - earlier.histogram,
+            lr_scale_sum=None
+            if self.lr_scale_sum is None or earlier.lr_scale_sum is None
+            else self.lr_scale_sum - earlier.lr_scale_sum,
         )
 
     def as_dict(self) -> dict:
@@ -101,3 +126,75 @@ class StalenessStats:
                 + (f", dropped {int(self.dropped[r])}" if self.dropped[r] else "")
             )
         return "\n".join(rows)
+
+
+# -- staleness-aware update rules: pure functions of tensors -----------------
+#
+# Each takes the staleness of an update (an integer scalar tensor) and what the
+# rule needs, and returns tensors; none touches a variable.
+
+
+def staleness_bound(num_replicas: int, max_staleness: int) -> int:
+    """The largest staleness Stale Synchronous Parallel allows.
+
+    With no replica starting a step while more than `max_staleness` steps
+    ahead of the slowest, another replica is at least `max_staleness` steps
+    behind a replica when it reads (or it could not have started), and at most
+    `max_staleness + 1` steps ahead when it applies (one step in flight). So
+    each of the `num_replicas - 1` others lands at most `2 * max_staleness + 1`
+    updates in between.
+
+    Args:
+        num_replicas: replicas training.
+        max_staleness: the bound in steps (0 is lock-step).
+
+    Returns:
+        `(num_replicas - 1) * (2 * max_staleness + 1)`.
+    """
+    if num_replicas < 1 or max_staleness < 0:
+        raise ValueError(
+            "staleness_bound needs num_replicas >= 1 and max_staleness >= 0, "
+            f"received {num_replicas} and {max_staleness}."
+        )
+    return (num_replicas - 1) * (2 * max_staleness + 1)
+
+
+def inverse_lr_scale(staleness):
+    """Learning-rate factor 1 / max(1, staleness) (Zhang et al., IJCAI 2016)."""
+    staleness = tf.cast(staleness, tf.float32)
+    return 1.0 / tf.maximum(staleness, 1.0)
+
+
+def keep_update(staleness, drop_above: int):
+    """True when an update is fresh enough to apply (staleness <= drop_above)."""
+    return tf.less_equal(tf.cast(staleness, tf.int64), tf.cast(drop_above, tf.int64))
+
+
+def mean_square_step(mean_square, gradient, momentum: float):
+    """The change that takes a moving mean square of gradients one step on.
+
+    `mean_square + mean_square_step(...)` is
+    `momentum * mean_square + (1 - momentum) * gradient**2`; returned as a
+    difference so that it can be applied with an atomic add.
+    """
+    return (1.0 - momentum) * (gradient * gradient - mean_square)
+
+
+def delay_compensated_gradient(
+    gradient, params_now, params_read, mean_square, lambda0: float, epsilon: float = 1e-7
+):
+    """DC-ASGD-a (Zheng et al., ICML 2017): the gradient, corrected for delay.
+
+    g + lambda * g * g * (w_now - w_read), with the adaptive
+    lambda = lambda0 / sqrt(mean_square + epsilon).
+
+    Args:
+        gradient: g, computed at the parameters `params_read`.
+        params_now: the parameters at the time the update is applied.
+        params_read: the parameters the gradient was computed at.
+        mean_square: moving mean square of the gradient (same shape).
+        lambda0: the variance-control parameter lambda_0.
+        epsilon: keeps the square root away from zero.
+    """
+    lam = lambda0 / tf.sqrt(mean_square + epsilon)
+    return gradient + lam * gradient * gradient * (params_now - params_read)

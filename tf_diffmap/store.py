@@ -55,13 +55,21 @@ class ParameterStore:
         self.histogram_bins = max(64, 8 * num_replicas)
         with tf.init_scope(), tf.device(self.host):
             zeros = tf.zeros([num_replicas], tf.int64)
+            # `version` counts claimed updates, `completed` the claimed steps
+            # that have finished writing: a replica's read sees `completed`.
             self.version = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="store_version"
+            )
+            self.completed = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="store_completed"
             )
             self.updates = tf.Variable(zeros, trainable=False, name="updates")
             self.staleness_sum = tf.Variable(zeros, trainable=False, name="staleness_sum")
             self.staleness_max = tf.Variable(zeros, trainable=False, name="staleness_max")
             self.dropped = tf.Variable(zeros, trainable=False, name="dropped")
+            self.lr_scale_sum = tf.Variable(
+                tf.zeros([num_replicas], tf.float64), trainable=False, name="lr_scale_sum"
+            )
             self.histogram = tf.Variable(
                 tf.zeros([num_replicas, self.histogram_bins], tf.int64),
                 trainable=False,
@@ -114,19 +122,39 @@ class ParameterStore:
     # -- the version counter, in a replica's graph ----------------------------
 
     def read_version(self) -> tf.Tensor:
+        """The updates a replica's read can see: those already completed."""
         with tf.device(self.host):
-            return self.version.read_value()
+            return self.completed.read_value()
+
+    def complete(self) -> None:
+        """Marks one claimed step as finished writing (called after the step)."""
+        with tf.device(self.host):
+            self.completed.assign_add(1, read_value=False)
+
+    def resync_completed(self) -> None:
+        """After a failed step, with nothing in flight: every claim is done."""
+        with tf.device(self.host):
+            self.completed.assign(self.version)
 
     def claim_version(self, read_version: tf.Tensor) -> tf.Tensor:
-        """Bumps the version atomically; returns this update's staleness."""
+        """Bumps the version atomically; returns this update's staleness.
+
+        The staleness counts the updates claimed before this one that had not
+        completed when this step read the parameters: updates its gradient
+        did not see, whether or not they were fully written at the claim.
+        """
         with tf.device(self.host):
             before = tf.raw_ops.ResourceCountUpTo(
                 resource=self.version.handle, limit=_VERSION_LIMIT, T=tf.int64
             )
-            return before - read_version
+            return tf.maximum(before - read_version, 0)
 
     def record(
-        self, replica_id: tf.Tensor, staleness: tf.Tensor, applied: tf.Tensor
+        self,
+        replica_id: tf.Tensor,
+        staleness: tf.Tensor,
+        applied: tf.Tensor,
+        lr_scale: tf.Tensor | None = None,
     ) -> tf.Operation:
         """Adds one update's staleness to the replica's statistics.
 
@@ -134,6 +162,8 @@ class ParameterStore:
             replica_id: int32 scalar.
             staleness: int64 scalar.
             applied: bool scalar, False for an update that was dropped.
+            lr_scale: the factor a staleness rule applied to the learning
+                rate (1 when none did).
         """
         with tf.device(self.host):
             row = tf.reshape(tf.cast(replica_id, tf.int64), [1, 1])
@@ -141,7 +171,11 @@ class ParameterStore:
             bin_ = tf.minimum(staleness, self.histogram_bins - 1)
             cell = tf.concat([row, tf.reshape(bin_, [1, 1])], axis=1)
             applied_i = tf.reshape(tf.cast(applied, tf.int64), [1])
+            if lr_scale is None:
+                lr_scale = tf.constant(1.0, tf.float64)
+            scale = tf.reshape(tf.cast(lr_scale, tf.float64), [1]) * tf.cast(applied_i, tf.float64)
             return tf.group(
+                self.lr_scale_sum.scatter_nd_add(row, scale),
                 self.updates.scatter_nd_add(row, applied_i),
                 self.dropped.scatter_nd_add(row, one - applied_i),
                 self.staleness_sum.scatter_nd_add(row, tf.reshape(staleness, [1]) * applied_i),
@@ -157,6 +191,7 @@ class ParameterStore:
             version=int(self.version.numpy()),
             updates=self.updates.numpy(),
             dropped=self.dropped.numpy(),
+            lr_scale_sum=self.lr_scale_sum.numpy(),
             staleness_sum=self.staleness_sum.numpy(),
             staleness_max=self.staleness_max.numpy(),
             histogram=self.histogram.numpy(),
@@ -167,6 +202,7 @@ class ParameterStore:
         for variable in (
             self.updates,
             self.dropped,
+            self.lr_scale_sum,
             self.staleness_sum,
             self.staleness_max,
             self.histogram,

@@ -3,11 +3,11 @@
 How a training step flows:
 
 1. Keras traces its train function and calls `strategy.run(train_step, ...)`.
-2. The strategy traces `train_step` once more, in a helper thread (a clean
-   context: Keras' trace has lifted scopes that would stop the gradient tape),
-   as one concrete *replica step* that takes a replica id and one shard. Each
-   worker calls it on its own device; concurrent calls are separate executions,
-   so nothing serializes the replicas.
+2. The strategy traces `train_step` once more per replica device, in a helper
+   thread (a clean context: Keras' trace has lifted scopes that would stop the
+   gradient tape), as a concrete *replica step* placed on that device, taking a
+   replica id and one shard. Replicas on one device share it; concurrent calls
+   are separate executions, so nothing serializes the replicas.
 3. In Keras' graph the strategy leaves one dispatch op (`tf.py_function`) that
    splits the host batch into one shard per replica, queues the shards and
    returns without waiting for them: it hands back the outputs (metrics) of
@@ -46,16 +46,35 @@ __all__ = ["Strategy", "current_step"]
 _tracing = _tf_internal.replica_tracing()
 
 
+class Claim:
+    """A replica step's claim on a store version.
+
+    Attributes:
+        staleness: int64 scalar: versions claimed by others between this
+            step's read and this claim.
+        applied: bool scalar: False when a staleness rule dropped the update.
+        lr_scale: float scalar the learning rate is multiplied by, or None.
+    """
+
+    def __init__(self, staleness: tf.Tensor):
+        self.staleness = staleness
+        self.applied: tf.Tensor | None = None
+        self.lr_scale: tf.Tensor | None = None
+
+
 class StepState:
     """What one replica step knows while it is traced (or run eagerly).
 
     The step claims its version once its gradient is known, before its first
     update; updates that need no gradient (weight decay) wait for the claim.
+    A claim made inside a conditional (Keras' loss-scale optimizer applies
+    updates under `tf.cond`) belongs to that branch's graph and to the graphs
+    nested in it.
 
     Attributes:
         replica_id: int32 scalar tensor.
         read_version: the store version read before the forward pass.
-        staleness: int64 scalar, set once the version is claimed.
+        claimed: whether any claim was made while tracing.
     """
 
     def __init__(self, store: ParameterStore, replica_id: tf.Tensor):
@@ -63,48 +82,99 @@ class StepState:
         self.replica_id = replica_id
         self.graph = tf.compat.v1.get_default_graph()
         self.read_version = store.read_version()
-        self.staleness: tf.Tensor | None = None
-        self.applied: tf.Tensor | None = None
-        self._deferred: list = []
+        self.claimed = False
+        self._claims: dict[Any, Claim] = {}
+        self._deferred: dict[Any, list] = {}
+        self._first_reads: dict[int, tf.Tensor] | None = None
 
-    @property
-    def claimed(self) -> bool:
-        return self.staleness is not None
+    @staticmethod
+    def _graph_key(graph) -> Any:
+        # Eager execution has no graph object to key on.
+        return id(graph) if graph is not None else None
 
-    def claim(self, after: Sequence[Any]) -> tf.Tensor:
-        """Claims a version once `after` (the gradients) are computed."""
-        if self.staleness is not None:
-            return self.staleness
-        if tf.compat.v1.get_default_graph() is not self.graph:
-            raise ValueError(
-                "tf_diffmap.Strategy applies each update once per replica step, "
-                "but this step updates variables inside a conditional or loop "
-                "(for example an optimizer with gradient_accumulation_steps, or a "
-                "train_step that calls apply_gradients under tf.cond). Apply the "
-                "gradients unconditionally, once per step."
-            )
+    def _graphs(self):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        while graph is not None:
+            yield graph
+            graph = getattr(graph, "outer_graph", None)
+        if tf.executing_eagerly():
+            yield None
+
+    def current_claim(self) -> Claim | None:
+        """The claim visible from the current graph, if any."""
+        for graph in self._graphs():
+            claim = self._claims.get(self._graph_key(graph))
+            if claim is not None:
+                return claim
+        return None
+
+    def claim(self, after: Sequence[Any], record: bool = True) -> Claim:
+        """Claims a version once `after` (the gradients) are computed.
+
+        Args:
+            after: tensors the claim waits for.
+            record: record the update in the statistics now, as applied
+                with an unchanged learning rate. `AsyncOptimizer` passes
+                False and calls `record` itself once its rule has decided.
+        """
+        existing = self.current_claim()
+        if existing is not None:
+            return existing
         deps = [t for t in (_as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
         with tf.control_dependencies(deps):
-            self.staleness = self.store.claim_version(self.read_version)
-        self.applied = tf.constant(True)
-        self._record = self.store.record(self.replica_id, self.staleness, self.applied)
-        return self.staleness
+            claim = Claim(self.store.claim_version(self.read_version))
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._claims[self._graph_key(graph)] = claim
+        self.claimed = True
+        if record:
+            self.record(claim, tf.constant(True), None)
+        return claim
+
+    def record(self, claim: Claim, applied: tf.Tensor, lr_scale: tf.Tensor | None) -> None:
+        """Records a claimed update in the store's statistics."""
+        claim.applied, claim.lr_scale = applied, lr_scale
+        self.store.record(self.replica_id, claim.staleness, applied, lr_scale)
 
     def defer(self, update) -> None:
-        self._deferred.append(update)
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._deferred.setdefault(self._graph_key(graph), []).append(update)
 
     def flush(self) -> None:
-        """Applies the deferred updates (after the claim)."""
-        deferred, self._deferred = self._deferred, []
-        with tf.control_dependencies([self.staleness]):
-            for update in deferred:
-                update()
+        """Applies the updates deferred in this graph (after the claim)."""
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        pending = self._deferred.pop(self._graph_key(graph), [])
+        if pending:
+            with tf.control_dependencies([self.current_claim().staleness]):
+                for update in pending:
+                    update()
 
     def finish(self, outputs: Any) -> None:
         """Runs what was deferred, claiming a version if none was yet."""
-        if self._deferred:
+        key = self._graph_key(None if tf.executing_eagerly() else self.graph)
+        if self._deferred.get(key):
             self.claim(after=outputs)
             self.flush()
+
+    def read_value_of(self, variable) -> tf.Tensor:
+        """The value of `variable` that this step's forward pass read.
+
+        In a traced step that is the output of the first read of the variable
+        in the step's graph; a variable the forward pass did not read (and an
+        eager step) reads it now.
+        """
+        handle = variable.handle
+        if not tf.executing_eagerly() and self._first_reads is None:
+            self._first_reads = {}
+            internal_of = {id(external): internal for external, internal in self.graph.captures}
+            self._handles = internal_of
+            for op in self.graph.get_operations():
+                if op.type == "ReadVariableOp":
+                    self._first_reads.setdefault(id(op.inputs[0]), op.outputs[0])
+        if self._first_reads is not None:
+            internal = self._handles.get(id(handle))
+            if internal is not None and id(internal) in self._first_reads:
+                return self._first_reads[id(internal)]
+        return variable.read_value()
 
 
 _current = threading.local()
@@ -155,9 +225,9 @@ class _Program:
             if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
                 raise ValueError(
                     "tf_diffmap.Strategy splits batches of dense tensors into "
-                    f"shards, received a {type(leaf).__name__}. Convert it to a "
-                    "dense tensor in the input pipeline (for example "
-                    "`.to_tensor()`), or pad it there."
+                    f"shards, received a {type(leaf).__name__}. Make it dense in the "
+                    "input pipeline (`tf.sparse.to_dense(t)` for a SparseTensor, "
+                    "`t.to_tensor()` for a RaggedTensor)."
                 )
             leaf = tf.convert_to_tensor(leaf)
             shape = leaf.shape
@@ -299,7 +369,14 @@ class _Program:
 
     def _run_shard(self, shard, replica_id: int) -> None:
         concrete = self.concretes[self.extended.replica_devices[replica_id]]
-        outputs = concrete(tf.constant(replica_id, tf.int32), *shard)
+        try:
+            outputs = concrete(tf.constant(replica_id, tf.int32), *shard)
+        except BaseException:
+            # Whether it claimed a version is unknown: count again once idle.
+            self.extended._resync_completed = True
+            raise
+        # The step has finished writing: later reads see its update.
+        self.extended._store.complete()
         flat = tf.nest.flatten(outputs)
         self.latest = [flat[i] for i in self.output_positions]
 
@@ -328,6 +405,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             max_staleness=max_staleness,
         )
         self._programs: dict[Any, _Program] = {}
+        self._resync_completed = False
         self._store_variable_ids: set[int] = set()
 
     # -- drain --------------------------------------------------------------
@@ -336,11 +414,21 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if self._pool.in_worker():
             return
         self._pool.drain()
+        # Whoever reads the model as a whole (an epoch's end, a metrics reset)
+        # starts a new stretch: the next step reports fresh outputs.
+        for program in self._programs.values():
+            program.latest = None
 
     def _before_next_batch(self) -> None:
+        # Called in the caller's thread before each batch: a replica's error
+        # surfaces here, and the caller waits while the queue cannot take the
+        # batch's shards, so that the dispatch op itself never blocks on it.
         self._pool.raise_error()
+        if self._resync_completed and self._pool.in_flight == 0:
+            self._store.resync_completed()
+            self._resync_completed = False
         room = self._pool.queue_size - len(self.replica_devices)
-        self._pool.wait_for(lambda: len(self._pool._queue) <= max(room, 0))
+        self._pool.wait_for(lambda: self._pool.queued <= max(room, 0))
         self._pool.raise_error()
 
     # -- variables ----------------------------------------------------------
@@ -409,6 +497,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             with _replica_step(state):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
+            if state.claimed:
+                self._store.complete()
         return outputs
 
     def _program_for(self, fn, args, kwargs) -> _Program:
@@ -455,29 +545,37 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         kwargs = kwargs or {}
         self._check_store_variable(var)
         state = current_step()
-
-        def apply():
+        if state is None or not var.trainable:
+            # Optimizer bookkeeping (accumulators, counters) is not an update
+            # of the parameters: it neither claims a version nor waits for one.
             with tf.device(var.device):
                 return fn(var, *args, **kwargs)
+        claim = state.current_claim()
+        if claim is None:
+            gradients = [
+                a
+                for a in tf.nest.flatten((args, kwargs))
+                if isinstance(_as_dependency(a), tf.Tensor) and a.shape == var.shape
+            ]
+            if not gradients:
+                # No gradient yet (Keras applies weight decay before the
+                # gradients): apply it after the step claims its version.
+                def deferred():
+                    with tf.device(var.device):
+                        fn(var, *args, **kwargs)
 
-        if state is None:
-            return apply()
-        if not state.claimed:
-            inputs = [a for a in tf.nest.flatten((args, kwargs)) if _as_dependency(a) is not None]
-            if not any(
-                isinstance(_as_dependency(a), tf.Tensor)
-                and a.dtype == var.dtype
-                and a.shape == var.shape
-                for a in inputs
-            ):
-                # No gradient yet (weight decay comes before the gradients in
-                # Keras): apply it after the step claims its version.
-                state.defer(apply)
+                state.defer(deferred)
                 return None
-            state.claim(after=inputs)
+            claim = state.claim(after=gradients)
         state.flush()
-        with tf.control_dependencies([state.staleness]):
-            return apply()
+        if claim.lr_scale is not None and len(args) == 2 and not kwargs:
+            # Keras' optimizers update with (gradient, learning_rate).
+            gradient, learning_rate = args
+            learning_rate = tf.convert_to_tensor(learning_rate)
+            learning_rate = learning_rate * tf.cast(claim.lr_scale, learning_rate.dtype)
+            args = (gradient, learning_rate)
+        with tf.control_dependencies([claim.staleness]), tf.device(var.device):
+            return fn(var, *args, **kwargs)
 
     def _update(self, var, fn, args, kwargs, group):
         with tf.device(var.device):

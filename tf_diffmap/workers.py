@@ -117,6 +117,11 @@ class WorkerPool:
         self.raise_error()
 
     @property
+    def queued(self) -> int:
+        """Tasks waiting for a worker."""
+        return len(self._queue)
+
+    @property
     def in_flight(self) -> int:
         """Tasks queued or running."""
         return self._in_flight

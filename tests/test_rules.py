@@ -1,0 +1,44 @@
+"""Staleness-aware update rules, checked against values computed by hand."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_diffmap import staleness as rules
+
+
+@pytest.mark.parametrize("staleness, expected", [(0, 1.0), (1, 1.0), (2, 0.5), (8, 0.125)])
+def test_inverse_lr_scale(staleness, expected):
+    assert float(rules.inverse_lr_scale(tf.constant(staleness, tf.int64))) == expected
+
+
+@pytest.mark.parametrize("staleness, keep", [(0, True), (3, True), (4, False)])
+def test_keep_update(staleness, keep):
+    assert bool(rules.keep_update(tf.constant(staleness, tf.int64), 3)) is keep
+
+
+def test_mean_square_step_is_the_moving_average_difference():
+    ms, g = tf.constant([1.0, 4.0]), tf.constant([3.0, 0.0])
+    new = ms + rules.mean_square_step(ms, g, 0.9)
+    np.testing.assert_allclose(new, [0.9 * 1 + 0.1 * 9, 0.9 * 4 + 0.1 * 0], rtol=1e-6)
+
+
+def test_delay_compensated_gradient_by_hand():
+    g = tf.constant([2.0, -1.0, 0.5])
+    now = tf.constant([1.0, 1.0, 1.0])
+    read = tf.constant([0.5, 2.0, 1.0])
+    ms = tf.constant([4.0, 1.0, 9.0])
+    got = rules.delay_compensated_gradient(g, now, read, ms, lambda0=0.5, epsilon=0.0)
+    # lambda = 0.5 / sqrt(ms) = [0.25, 0.5, 1/6]
+    expected = [2 + 0.25 * 4 * 0.5, -1 + 0.5 * 1 * -1.0, 0.5 + 0.0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("replicas, bound, expected", [(1, 0, 0), (4, 0, 3), (4, 1, 9), (8, 2, 35)])
+def test_staleness_bound(replicas, bound, expected):
+    assert rules.staleness_bound(replicas, bound) == expected
+
+
+def test_staleness_bound_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_staleness >= 0"):
+        rules.staleness_bound(4, -1)
