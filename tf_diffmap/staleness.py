@@ -38,6 +38,8 @@ class StalenessStats:
             Dropped updates are counted here too.
         lr_scale_sum: per replica, the sum over applied updates of the factor
             a staleness rule applied to the learning rate.
+        examples: per replica, the examples its updates (applied or dropped)
+            were computed on.
     """
 
     version: int
@@ -47,6 +49,7 @@ class StalenessStats:
     staleness_max: np.ndarray
     histogram: np.ndarray
     lr_scale_sum: np.ndarray | None = None
+    examples: np.ndarray | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -99,7 +102,22 @@ class StalenessStats:
             lr_scale_sum=None
             if self.lr_scale_sum is None or earlier.lr_scale_sum is None
             else self.lr_scale_sum - earlier.lr_scale_sum,
+            examples=None
+            if self.examples is None or earlier.examples is None
+            else self.examples - earlier.examples,
         )
+
+    @property
+    def interval_max_staleness(self) -> np.ndarray:
+        """Per replica, the largest staleness in `histogram` (the last bin
+        stands for itself and above). Unlike `staleness_max`, this is exact
+        for a difference of snapshots (`since`); dropped updates count too."""
+        hist = np.asarray(self.histogram)
+        out = np.zeros(hist.shape[0], dtype=np.int64)
+        for r, row in enumerate(hist):
+            nonzero = np.flatnonzero(row)
+            out[r] = nonzero[-1] if len(nonzero) else 0
+        return out
 
     def as_dict(self) -> dict:
         """Plain Python values, for logs and JSON."""

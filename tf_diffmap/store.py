@@ -67,6 +67,7 @@ class ParameterStore:
             self.staleness_sum = tf.Variable(zeros, trainable=False, name="staleness_sum")
             self.staleness_max = tf.Variable(zeros, trainable=False, name="staleness_max")
             self.dropped = tf.Variable(zeros, trainable=False, name="dropped")
+            self.examples = tf.Variable(zeros, trainable=False, name="examples")
             self.lr_scale_sum = tf.Variable(
                 tf.zeros([num_replicas], tf.float64), trainable=False, name="lr_scale_sum"
             )
@@ -155,6 +156,7 @@ class ParameterStore:
         staleness: tf.Tensor,
         applied: tf.Tensor,
         lr_scale: tf.Tensor | None = None,
+        examples: tf.Tensor | None = None,
     ) -> tf.Operation:
         """Adds one update's staleness to the replica's statistics.
 
@@ -164,6 +166,7 @@ class ParameterStore:
             applied: bool scalar, False for an update that was dropped.
             lr_scale: the factor a staleness rule applied to the learning
                 rate (1 when none did).
+            examples: the examples of the shard the update was computed on.
         """
         with tf.device(self.host):
             row = tf.reshape(tf.cast(replica_id, tf.int64), [1, 1])
@@ -174,7 +177,10 @@ class ParameterStore:
             if lr_scale is None:
                 lr_scale = tf.constant(1.0, tf.float64)
             scale = tf.reshape(tf.cast(lr_scale, tf.float64), [1]) * tf.cast(applied_i, tf.float64)
+            if examples is None:
+                examples = tf.constant(0, tf.int64)
             return tf.group(
+                self.examples.scatter_nd_add(row, tf.reshape(tf.cast(examples, tf.int64), [1])),
                 self.lr_scale_sum.scatter_nd_add(row, scale),
                 self.updates.scatter_nd_add(row, applied_i),
                 self.dropped.scatter_nd_add(row, one - applied_i),
@@ -191,6 +197,7 @@ class ParameterStore:
             version=int(self.version.numpy()),
             updates=self.updates.numpy(),
             dropped=self.dropped.numpy(),
+            examples=self.examples.numpy(),
             lr_scale_sum=self.lr_scale_sum.numpy(),
             staleness_sum=self.staleness_sum.numpy(),
             staleness_max=self.staleness_max.numpy(),
@@ -202,6 +209,7 @@ class ParameterStore:
         for variable in (
             self.updates,
             self.dropped,
+            self.examples,
             self.lr_scale_sum,
             self.staleness_sum,
             self.staleness_max,

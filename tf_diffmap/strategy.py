@@ -77,9 +77,12 @@ class StepState:
         claimed: whether any claim was made while tracing.
     """
 
-    def __init__(self, store: ParameterStore, replica_id: tf.Tensor):
+    def __init__(
+        self, store: ParameterStore, replica_id: tf.Tensor, examples: tf.Tensor | None = None
+    ):
         self.store = store
         self.replica_id = replica_id
+        self.examples = examples
         self.graph = tf.compat.v1.get_default_graph()
         self.read_version = store.read_version()
         self.claimed = False
@@ -133,7 +136,7 @@ class StepState:
     def record(self, claim: Claim, applied: tf.Tensor, lr_scale: tf.Tensor | None) -> None:
         """Records a claimed update in the store's statistics."""
         claim.applied, claim.lr_scale = applied, lr_scale
-        self.store.record(self.replica_id, claim.staleness, applied, lr_scale)
+        self.store.record(self.replica_id, claim.staleness, applied, lr_scale, self.examples)
 
     def defer(self, update) -> None:
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
@@ -206,6 +209,15 @@ def _as_dependency(value):
     return None
 
 
+def _batch_size(tensors) -> tf.Tensor | None:
+    """Examples in a shard: the leading dimension of its first batched tensor."""
+    for tensor in tensors:
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank:
+            return tf.shape(tensor, out_type=tf.int64)[0]
+    return None
+
+
 def _is_tensor(value) -> bool:
     return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
 
@@ -260,7 +272,7 @@ class _Program:
                     tf.device(device),
                     tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
                 ):
-                    state = StepState(extended._store, replica_id)
+                    state = StepState(extended._store, replica_id, _batch_size(tensors))
                     with _replica_step(state):
                         with tf.control_dependencies([state.read_version]):
                             outputs = fn(*args, **kwargs)
@@ -493,7 +505,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             tf.device(self.replica_devices[0]),
             tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
         ):
-            state = StepState(self._store, tf.constant(0, tf.int32))
+            leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if _is_tensor(leaf)]
+            state = StepState(self._store, tf.constant(0, tf.int32), _batch_size(leaves))
             with _replica_step(state):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
