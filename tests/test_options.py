@@ -68,3 +68,13 @@ def test_sparse_inputs_are_refused_with_advice():
     ds = tf.data.Dataset.from_tensor_slices((x, np.zeros(32, "int32"))).batch(8)
     with pytest.raises(ValueError, match="dense tensors"):
         model.fit(ds, epochs=1, verbose=0)
+
+
+def test_jit_compile_is_refused_with_advice():
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, jit_compile=True)
+    x, y = classification_data(64)
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -211,3 +211,13 @@ def test_several_replicas_per_device(data):
         compile_logits(model)
     model.fit(x, y, batch_size=60, epochs=1, verbose=0)
     assert strategy.version == expected_updates(len(x), 60, 6, 1)
+
+
+def test_gradient_accumulation_is_refused_with_advice():
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    x, y = classification_data(64)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*larger batch size"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops, summary_ops_v2
+from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 
 TESTED_TENSORFLOW = ("2.21",)
 
@@ -92,6 +92,8 @@ def compatibility_problems() -> list[str]:
     state = getattr(summary_ops_v2, "_summary_state", None)
     if state is None or not all(hasattr(state, a) for a in ("writer", "step", "is_recording")):
         problems.append("tf.summary keeps its per-thread state elsewhere")
+    if not callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)):
+        problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
     return problems
@@ -115,9 +117,9 @@ def check_compatibility() -> None:
         )
 
 
-def is_stateful(op: tf.Operation) -> bool:
-    """Whether a graph op has side effects (TensorFlow keeps this private)."""
-    return bool(op._is_stateful)  # noqa: SLF001
+def in_xla_context() -> bool:
+    """Whether the graph being built will be compiled by XLA (jit_compile)."""
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def capture_summary_state() -> Callable[[], None]:

@@ -492,6 +492,13 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         kwargs = kwargs or {}
         if tf.executing_eagerly():
             return self._run_eagerly(fn, args, kwargs)
+        if _tf_internal.in_xla_context():
+            raise ValueError(
+                "tf_diffmap.Strategy hands each step to its replicas through "
+                "tf.py_function, which XLA cannot compile, and this step is "
+                "being compiled (jit_compile=True). Compile the model with "
+                "jit_compile=False."
+            )
         program = self._program_for(fn, args, kwargs)
         if program.trains:
             return program.dispatch_in_graph(args, kwargs)
@@ -514,8 +521,24 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 self._store.complete()
         return outputs
 
+    @staticmethod
+    def _check_optimizer(target) -> None:
+        """Refuses what a Keras model's optimizer does that cannot be async."""
+        optimizer = getattr(getattr(target, "__self__", None), "optimizer", None)
+        while optimizer is not None:
+            if getattr(optimizer, "gradient_accumulation_steps", None):
+                raise ValueError(
+                    "The model's optimizer accumulates gradients "
+                    f"(gradient_accumulation_steps={optimizer.gradient_accumulation_steps}), "
+                    "which needs every replica's gradient in one place; "
+                    "tf_diffmap.Strategy applies each replica's gradient on "
+                    "its own. Use a larger batch size instead."
+                )
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+
     def _program_for(self, fn, args, kwargs) -> _Program:
         target = inspect.unwrap(fn)
+        self._check_optimizer(target)
         leaves = tf.nest.flatten((args, kwargs))
         signature = tuple(
             (
@@ -800,6 +823,10 @@ class Strategy(_tf_internal.StrategyBase):
     def worker_threads(self) -> list[threading.Thread]:
         """The worker threads alive now (for tests and diagnostics)."""
         return self.extended._pool.threads()
+
+    def seconds_held_back(self) -> list[float]:
+        """Per replica, the time `max_staleness` kept it waiting for others."""
+        return self.extended._pool.seconds_waited()
 
     def replica_steps(self) -> list[int]:
         """Steps (shards) each replica has completed since the strategy began."""

@@ -1,0 +1,217 @@
+"""`AsyncOptimizer`: a composing wrapper whose rules do what they say."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+LR = 0.125  # a power of two: multiples of it are exact in float32
+
+
+def constant_gradient_model():
+    """With x of ones, the summed output has gradient 1 for every weight."""
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            tf_diffmap.testing.ReplicaDelay(0.02, replicas=[0]),
+            keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros"),
+        ]
+    )
+
+
+def summed_output(y_true, y_pred):
+    return tf.reduce_sum(tf.cast(y_pred, tf.float32), axis=-1)
+
+
+def train_constant(optimizer_fn, **strategy_kwargs):
+    strategy = tf_diffmap.Strategy(**strategy_kwargs)
+    with strategy.scope():
+        model = constant_gradient_model()
+        model.compile(optimizer=optimizer_fn(), loss=summed_output)
+    x, y = np.ones((512, 4), "float32"), np.zeros((512, 3), "float32")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return strategy, model
+
+
+def test_delegates_to_the_inner_optimizer():
+    with tf_diffmap.Strategy().scope():
+        inner = keras.optimizers.Adam(learning_rate=0.01)
+        optimizer = tf_diffmap.AsyncOptimizer(inner, staleness="inverse")
+    assert optimizer.iterations is inner.iterations
+    assert float(optimizer.learning_rate) == pytest.approx(0.01)
+    optimizer.learning_rate = 0.5
+    assert float(inner.learning_rate) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"weight_decay": 0.1}, "does not take `weight_decay`.*inner optimizer"),
+        ({"clipnorm": 1.0}, "does not take `clipnorm`"),
+        ({"momentum": 0.9}, "does not support arguments: `momentum`"),
+        ({"staleness": "sqrt"}, "staleness must be one of"),
+        ({"staleness": "drop"}, "needs drop_above"),
+        ({"drop_above": -1}, "drop_above must be an int >= 0, received -1"),
+        ({"dc_momentum": 1.0}, "dc_momentum must be in"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_wraps_only_optimizers():
+    with pytest.raises(ValueError, match="wraps a keras.optimizers.Optimizer instance"):
+        tf_diffmap.AsyncOptimizer("adam")
+
+
+def test_config_round_trip():
+    optimizer = tf_diffmap.AsyncOptimizer(
+        keras.optimizers.SGD(0.3, momentum=0.5), staleness="dc", dc_lambda=0.1, drop_above=7
+    )
+    clone = tf_diffmap.AsyncOptimizer.from_config(optimizer.get_config())
+    assert clone.staleness == "dc" and clone.drop_above == 7 and clone.dc_lambda == 0.1
+    assert isinstance(clone.inner_optimizer, keras.optimizers.SGD)
+    assert clone.inner_optimizer.momentum == 0.5
+    assert float(clone.learning_rate) == pytest.approx(0.3)
+
+
+def test_model_with_async_optimizer_saves_and_loads(tmp_path):
+    x, y = classification_data(256)
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(
+            model, tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(1e-2), staleness="inverse")
+        )
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded.optimizer, tf_diffmap.AsyncOptimizer)
+    assert loaded.optimizer.staleness == "inverse"
+    np.testing.assert_allclose(loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0))
+
+
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("rule", ["none", "dc"])
+def test_one_replica_equals_the_inner_optimizer(inner, rule):
+    """Staleness is 0 with one replica: every rule reduces to the inner one."""
+    make = {"sgd": lambda: keras.optimizers.SGD(0.05), "adam": lambda: keras.optimizers.Adam(1e-2)}
+    x, y = classification_data(256)
+    plain = mlp()
+    initial = plain.get_weights()
+    compile_logits(plain, make[inner]())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = tf_diffmap.Strategy(devices=["CPU:1"])
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, tf_diffmap.AsyncOptimizer(make[inner](), staleness=rule))
+    model.set_weights(initial)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_strategy_it_is_the_inner_optimizer():
+    x, y = classification_data(128)
+    plain = mlp()
+    initial = plain.get_weights()
+    compile_logits(plain, keras.optimizers.SGD(0.1))
+    wrapped = mlp()
+    wrapped.set_weights(initial)
+    compile_logits(wrapped, tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1), "inverse"))
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    wrapped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(plain.get_weights(), wrapped.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_inverse_rule_scales_each_update_by_its_staleness():
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="inverse")
+    )
+    stats = strategy.statistics()
+    assert int(stats.updates.sum()) == 2 * 16 * 4
+    total_scale = float(stats.lr_scale_sum.sum())
+    assert total_scale < stats.updates.sum()  # some updates were stale
+    np.testing.assert_allclose(model.get_weights()[0], -LR * total_scale, rtol=1e-5)
+
+
+def test_drop_rule_skips_stale_updates_and_counts_them():
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="drop", drop_above=1)
+    )
+    stats = strategy.statistics()
+    applied, dropped = int(stats.updates.sum()), int(stats.dropped.sum())
+    assert applied + dropped == 2 * 16 * 4 == strategy.version
+    assert dropped > 0
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -LR * applied, "float32"))
+    assert int(model.optimizer.iterations.numpy()) == applied
+    assert int(stats.staleness_max.max()) <= 1
+
+
+def test_callable_rule_sets_the_learning_rate_factor():
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(
+            keras.optimizers.SGD(LR),
+            staleness=lambda s: tf.constant(0.5) + 0.0 * tf.cast(s, tf.float32),
+        )
+    )
+    updates = strategy.version
+    np.testing.assert_array_equal(
+        model.get_weights()[0], np.full((4, 3), -LR * 0.5 * updates, "float32")
+    )
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_mixed_precision_keeps_updates_exact(policy, wrapped):
+    """Loss scaling (float16) is undone before the update, and only that."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+
+        def optimizer():
+            sgd = keras.optimizers.SGD(LR)
+            return tf_diffmap.AsyncOptimizer(sgd) if wrapped else sgd
+
+        strategy, model = train_constant(optimizer)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    updates = strategy.version
+    assert updates == 2 * 16 * 4
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -LR * updates, "float32"))
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_bounded_staleness_is_never_exceeded(bound):
+    x, y = classification_data(1024)
+    strategy = tf_diffmap.Strategy(max_staleness=bound)
+    spreads = []
+
+    class Spread(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps = strategy.replica_steps()
+            spreads.append(max(steps) - min(steps))
+
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                tf_diffmap.testing.ReplicaDelay(0.02, replicas=[0]),
+                keras.layers.Dense(2),
+            ]
+        )
+        compile_logits(model)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Spread()])
+    stats = strategy.statistics()
+    assert stats.overall_max_staleness <= tf_diffmap.staleness_bound(4, bound)
+    # Fast replicas use the slack the bound gives, and no more.
+    assert max(spreads) <= bound + 1
+    assert max(spreads) >= bound
+    waited = strategy.seconds_held_back()
+    assert max(waited[1:]) > 0
