@@ -9,7 +9,9 @@ stale they were.
 
 With `--slow-replica-ms`, replica 0 sleeps during each of its training steps.
 The other replicas do not wait for it: they take more shards from the shared
-queue, which shows in the work shares.
+queue, which shows in the work shares. `--staleness` picks a staleness-aware
+update rule of `tf_diffmap.AsyncOptimizer`, `--max-staleness` bounds how far
+the fast replicas may run ahead of the slow one.
 
 Example:
     python examples/train_digits.py --replicas 4 --slow-replica-ms 20
@@ -32,34 +34,6 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import tf_diffmap  # noqa: E402
 
 
-class SlowReplica(keras.layers.Layer):
-    """Passes its input through; in training, replica 0 first sleeps.
-
-    Args:
-        delay_ms: how long replica 0 sleeps in each training step.
-    """
-
-    def __init__(self, delay_ms: float, **kwargs):
-        super().__init__(**kwargs)
-        self.delay_ms = delay_ms
-
-    def call(self, inputs: tf.Tensor, training: bool | None = None) -> tf.Tensor:
-        context = tf.distribute.get_replica_context()
-        if not training or self.delay_ms <= 0 or context is None:
-            return inputs
-
-        def sleep(replica_id: tf.Tensor) -> bool:
-            if int(replica_id) == 0:
-                time.sleep(self.delay_ms / 1000)
-            return True
-
-        # The replica id is a tensor: the same traced step runs on every replica.
-        replica_id = tf.convert_to_tensor(context.replica_id_in_sync_group)
-        slept = tf.py_function(sleep, [replica_id], tf.bool, name="slow_replica")
-        with tf.control_dependencies([slept]):
-            return tf.identity(inputs)
-
-
 def load_data(seed: int = 0) -> tuple[np.ndarray, ...]:
     """Digits scaled to [0, 1], split 80/20 into train and validation."""
     x, y = load_digits(return_X_y=True)
@@ -71,7 +45,8 @@ def build_model(slow_replica_ms: float) -> keras.Model:
     return keras.Sequential(
         [
             keras.Input((64,)),
-            SlowReplica(slow_replica_ms),
+            # Replica 0 sleeps in each training step (no-op at 0 ms).
+            tf_diffmap.testing.ReplicaDelay(slow_replica_ms / 1000, replicas=[0]),
             keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(10, activation="softmax"),
@@ -85,6 +60,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--slow-replica-ms", type=float, default=0.0, help="replica 0 sleeps")
+    parser.add_argument(
+        "--staleness",
+        choices=["plain", "none", "inverse", "dc", "drop"],
+        default="plain",
+        help="plain: Adam as is; otherwise tf_diffmap.AsyncOptimizer with this rule",
+    )
+    parser.add_argument("--max-staleness", type=int, default=None, help="bounded staleness")
     parser.add_argument("--logdir", default=None, help="also write TensorBoard logs here")
     args = parser.parse_args()
 
@@ -93,12 +75,18 @@ def main() -> None:
     keras.utils.set_random_seed(0)
     x_train, x_val, y_train, y_val = load_data()
 
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(max_staleness=args.max_staleness)
     print(f"tf_diffmap {tf_diffmap.__version__}, TensorFlow {tf.__version__}: {strategy}")
     with strategy.scope():
         model = build_model(args.slow_replica_ms)
+        optimizer = keras.optimizers.Adam(1e-3)
+        if args.staleness != "plain":
+            drop_above = 2 * args.replicas if args.staleness == "drop" else None
+            optimizer = tf_diffmap.AsyncOptimizer(
+                optimizer, staleness=args.staleness, drop_above=drop_above
+            )
         model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
+            optimizer=optimizer,
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )

@@ -215,3 +215,31 @@ def test_bounded_staleness_is_never_exceeded(bound):
     assert max(spreads) >= bound
     waited = strategy.seconds_held_back()
     assert max(waited[1:]) > 0
+
+
+def test_skipped_float16_steps_claim_no_version():
+    """A loss-scaled step with non-finite gradients applies nothing, claims nothing."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        strategy = tf_diffmap.Strategy()
+        with strategy.scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((4,)),
+                    keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros"),
+                ]
+            )
+            model.compile(optimizer=keras.optimizers.SGD(LR), loss=summed_output)
+        x = np.ones((256, 4), "float32")
+        x[:32] = 6e4  # the first batch overflows float16 once loss-scaled
+        model.fit(
+            x, np.zeros((256, 3), "float32"), batch_size=32, epochs=1, shuffle=False, verbose=0
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    store = strategy.extended._store
+    assert strategy.version < 8 * 4
+    assert int(store.completed.numpy()) == strategy.version
+    weights = model.get_weights()[0]
+    assert np.all(np.isfinite(weights))
+    np.testing.assert_array_equal(weights, np.full((4, 3), -LR * strategy.version, "float32"))

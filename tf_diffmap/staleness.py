@@ -142,6 +142,11 @@ class StalenessStats:
                 f"({100 * self.work_share[r]:.1f}%), mean staleness "
                 f"{self.mean_staleness[r]:.2f}, max {int(self.staleness_max[r])}"
                 + (f", dropped {int(self.dropped[r])}" if self.dropped[r] else "")
+                + (
+                    f", learning-rate factor {self.mean_lr_scale[r]:.2f}"
+                    if self.updates[r] and abs(self.mean_lr_scale[r] - 1.0) > 1e-6
+                    else ""
+                )
             )
         return "\n".join(rows)
 

@@ -132,6 +132,14 @@ class ParameterStore:
         with tf.device(self.host):
             self.completed.assign_add(1, read_value=False)
 
+    def claims_of(self, replica_id) -> tf.Tensor:
+        """Claims a replica has recorded (applied plus dropped updates)."""
+        with tf.device(self.host):
+            return tf.gather(self.updates.read_value() + self.dropped.read_value(), replica_id)
+
+    def claims_per_replica(self) -> list[int]:
+        return [int(c) for c in self.updates.numpy() + self.dropped.numpy()]
+
     def resync_completed(self) -> None:
         """After a failed step, with nothing in flight: every claim is done."""
         with tf.device(self.host):

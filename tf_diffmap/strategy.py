@@ -277,8 +277,11 @@ class _Program:
                         with tf.control_dependencies([state.read_version]):
                             outputs = fn(*args, **kwargs)
                         state.finish(outputs)
+                    # Claims this replica has made in all (read after this
+                    # step's records): a claim inside a branch may not run.
+                    claims = extended._store.claims_of(replica_id)
                 result.setdefault("trains", state.claimed)
-                return outputs
+                return outputs, claims
 
             return replica_step
 
@@ -313,7 +316,7 @@ class _Program:
             raise error
         self.concrete = self.concretes[extended.replica_devices[0]]
         self.trains = result["trains"]
-        outputs = self.concrete.structured_outputs
+        outputs, _ = self.concrete.structured_outputs
         self.output_structure = outputs
         out_leaves = tf.nest.flatten(outputs)
         self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
@@ -336,7 +339,7 @@ class _Program:
         tensors = [leaves[i] for i in self.tensor_positions]
         drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
         with tf.control_dependencies([drained]):
-            outputs = self.concrete(tf.constant(0, tf.int32), *tensors)
+            outputs, _ = self.concrete(tf.constant(0, tf.int32), *tensors)
         return outputs
 
     def dispatch_in_graph(self, args, kwargs):
@@ -382,13 +385,14 @@ class _Program:
     def _run_shard(self, shard, replica_id: int) -> None:
         concrete = self.concretes[self.extended.replica_devices[replica_id]]
         try:
-            outputs = concrete(tf.constant(replica_id, tf.int32), *shard)
+            outputs, claims = concrete(tf.constant(replica_id, tf.int32), *shard)
         except BaseException:
             # Whether it claimed a version is unknown: count again once idle.
             self.extended._resync_completed = True
             raise
-        # The step has finished writing: later reads see its update.
-        self.extended._store.complete()
+        # The step has finished writing: later reads see its update (a step
+        # whose update was skipped, e.g. for non-finite gradients, claimed none).
+        self.extended._complete_claims(replica_id, int(claims))
         flat = tf.nest.flatten(outputs)
         self.latest = [flat[i] for i in self.output_positions]
 
@@ -418,6 +422,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         )
         self._programs: dict[Any, _Program] = {}
         self._resync_completed = False
+        self._claims_seen = [0] * len(replica_devices)
         self._store_variable_ids: set[int] = set()
 
     # -- drain --------------------------------------------------------------
@@ -431,6 +436,12 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         for program in self._programs.values():
             program.latest = None
 
+    def _complete_claims(self, replica_id: int, claims: int) -> None:
+        """Counts a replica's finished claims as completed (its thread only)."""
+        for _ in range(claims - self._claims_seen[replica_id]):
+            self._store.complete()
+        self._claims_seen[replica_id] = claims
+
     def _before_next_batch(self) -> None:
         # Called in the caller's thread before each batch: a replica's error
         # surfaces here, and the caller waits while the queue cannot take the
@@ -438,6 +449,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self._pool.raise_error()
         if self._resync_completed and self._pool.in_flight == 0:
             self._store.resync_completed()
+            self._claims_seen = self._store.claims_per_replica()
             self._resync_completed = False
         room = self._pool.queue_size - len(self.replica_devices)
         self._pool.wait_for(lambda: self._pool.queued <= max(room, 0))
@@ -518,7 +530,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
             if state.claimed:
-                self._store.complete()
+                self._complete_claims(0, int(self._store.claims_of(0)))
         return outputs
 
     @staticmethod
@@ -803,6 +815,7 @@ class Strategy(_tf_internal.StrategyBase):
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
         self.extended._store.reset_statistics()
+        self.extended._claims_seen = [0] * len(self.replica_devices)
 
     def drain(self) -> None:
         """Waits until every dispatched shard has been applied.
