@@ -88,7 +88,9 @@ class StepState:
         self.claimed = False
         self._claims: dict[Any, Claim] = {}
         self._deferred: dict[Any, list] = {}
+        # Filled on first use: the step graph's first read of each variable.
         self._first_reads: dict[int, tf.Tensor] | None = None
+        self._internal_handles: dict[int, tf.Tensor] = {}
 
     @staticmethod
     def _graph_key(graph) -> Any:
@@ -165,18 +167,17 @@ class StepState:
         in the step's graph; a variable the forward pass did not read (and an
         eager step) reads it now.
         """
-        handle = variable.handle
         if not tf.executing_eagerly() and self._first_reads is None:
+            self._internal_handles = {
+                id(external): internal for external, internal in self.graph.captures
+            }
             self._first_reads = {}
-            internal_of = {id(external): internal for external, internal in self.graph.captures}
-            self._handles = internal_of
             for op in self.graph.get_operations():
                 if op.type == "ReadVariableOp":
                     self._first_reads.setdefault(id(op.inputs[0]), op.outputs[0])
-        if self._first_reads is not None:
-            internal = self._handles.get(id(handle))
-            if internal is not None and id(internal) in self._first_reads:
-                return self._first_reads[id(internal)]
+        internal = self._internal_handles.get(id(variable.handle))
+        if internal is not None and id(internal) in (self._first_reads or {}):
+            return self._first_reads[id(internal)]
         return variable.read_value()
 
 
