@@ -144,3 +144,27 @@ def test_reading_weights_during_fit_sees_every_dispatched_update():
         compile_logits(model)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Reader()])
     assert versions == [4 * (i + 1) for i in range(16)]
+
+
+def test_step_knows_the_parameters_its_forward_pass_read():
+    """Delay compensation needs w_read: the value the forward pass used."""
+    from tf_diffmap.strategy import current_step
+
+    strategy = tf_diffmap.Strategy(devices=["CPU:0"])
+    with strategy.scope():
+        variable = tf.Variable(1.0)
+
+    @tf.function
+    def run():
+        def step():
+            forward = variable * 2.0
+            with tf.control_dependencies([forward]):
+                variable.assign_add(5.0)
+            with tf.control_dependencies([variable.read_value()]):
+                return current_step().read_value_of(variable), forward
+
+        return strategy.run(step)
+
+    read, forward = run()
+    assert float(read) == 1.0 and float(forward) == 2.0
+    assert float(variable.numpy()) == 6.0
