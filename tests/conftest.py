@@ -44,6 +44,21 @@ def compile_logits(model: keras.Model, optimizer="adam", **kwargs) -> None:
     )
 
 
+def async_mlp(optimizer="adam", compile_kwargs=None, **strategy_kwargs):
+    """A `tf_diffmap.Strategy` and a compiled `mlp()` built in its scope.
+
+    `optimizer` is a name or a function that makes one (called in the scope,
+    where Keras requires optimizers to be created).
+    """
+    strategy = tf_diffmap.Strategy(**strategy_kwargs)
+    with strategy.scope():
+        model = mlp()
+        compile_logits(
+            model, optimizer() if callable(optimizer) else optimizer, **(compile_kwargs or {})
+        )
+    return strategy, model
+
+
 @pytest.fixture
 def data():
     return classification_data()

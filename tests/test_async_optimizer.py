@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tests.conftest import classification_data, compile_logits, mlp
+from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 LR = 0.125  # a power of two: multiples of it are exact in float32
 
@@ -105,10 +105,9 @@ def test_one_replica_equals_the_inner_optimizer(inner, rule):
     initial = plain.get_weights()
     compile_logits(plain, make[inner]())
     plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    strategy = tf_diffmap.Strategy(devices=["CPU:1"])
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, tf_diffmap.AsyncOptimizer(make[inner](), staleness=rule))
+    strategy, model = async_mlp(
+        lambda: tf_diffmap.AsyncOptimizer(make[inner](), staleness=rule), devices=["CPU:1"]
+    )
     model.set_weights(initial)
     model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(plain.get_weights(), model.get_weights()):

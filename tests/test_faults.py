@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tests.conftest import classification_data, compile_logits, mlp
+from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 
 def wait_for_no_threads(strategy, seconds=10.0):
@@ -81,10 +81,7 @@ def test_keyboard_interrupt_during_fit_leaves_no_threads():
 
 def test_shutdown_stops_threads_at_once():
     x, y = classification_data(256)
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp()
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     strategy.shutdown()
     assert strategy.worker_threads() == []

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tf_diffmap
-from tests.conftest import classification_data, compile_logits, mlp
+from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 
 def test_defaults_use_every_logical_cpu_device():
@@ -71,10 +71,7 @@ def test_sparse_inputs_are_refused_with_advice():
 
 
 def test_jit_compile_is_refused_with_advice():
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, jit_compile=True)
+    strategy, model = async_mlp(compile_kwargs={"jit_compile": True})
     x, y = classification_data(64)
     with pytest.raises(ValueError, match="jit_compile=False"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)

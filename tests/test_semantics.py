@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tests.conftest import classification_data, compile_logits, mlp
+from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 LR = 0.125  # a power of two: every multiple below is exact in float32
 
@@ -80,10 +80,7 @@ def test_one_replica_matches_plain_keras(optimizer):
     plain = mlp()
     initial = plain.get_weights()
     compile_logits(plain, optimizer)
-    strategy = tf_diffmap.Strategy(devices=["CPU:1"])
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, optimizer)
+    strategy, model = async_mlp(optimizer, devices=["CPU:1"])
     model.set_weights(initial)
     plain_history = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -116,10 +113,7 @@ def test_a_slow_replica_takes_fewer_shards():
 
 def test_store_sharded_over_parameter_devices():
     x, y = classification_data(256)
-    strategy = tf_diffmap.Strategy(parameter_device=["CPU:2", "CPU:3"])
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp(parameter_device=["CPU:2", "CPU:3"])
     devices = {w.value.device for w in model.trainable_weights}
     assert {tf.DeviceSpec.from_string(d).device_index for d in devices} == {2, 3}
     # Each slot lives with its variable.

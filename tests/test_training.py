@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tests.conftest import classification_data, compile_logits, mlp
+from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 EPOCHS = 2
 BATCH = 32
@@ -94,10 +94,7 @@ def test_models_train_and_every_shard_is_applied(model_name, data):
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 def test_keras_optimizers_train(optimizer_name, data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, OPTIMIZERS[optimizer_name]())
+    strategy, model = async_mlp(OPTIMIZERS[optimizer_name])
     before = model.evaluate(x, y, verbose=0)[0]
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
     after = model.evaluate(x, y, verbose=0)[0]
@@ -107,10 +104,7 @@ def test_keras_optimizers_train(optimizer_name, data):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop"])
 def test_optimizer_by_name(optimizer, data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, optimizer)
+    strategy, model = async_mlp(optimizer)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert strategy.version == expected_updates(len(x), BATCH, 4, 1)
@@ -118,10 +112,7 @@ def test_optimizer_by_name(optimizer, data):
 
 def test_datasets_validation_steps_and_callbacks(tmp_path, data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp()
     train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=1).batch(BATCH).repeat()
     val = tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(64)
     checkpoint = tmp_path / "best.weights.h5"
@@ -150,10 +141,7 @@ def test_datasets_validation_steps_and_callbacks(tmp_path, data):
 
 def test_dataset_of_unknown_length_ends_epochs_cleanly(data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(BATCH)
     assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
     model.fit(ds, epochs=2, verbose=0)
@@ -162,10 +150,7 @@ def test_dataset_of_unknown_length_ends_epochs_cleanly(data):
 
 def test_evaluate_and_predict_match_a_plain_copy(data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp()
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     plain = mlp()
     compile_logits(plain)
@@ -183,10 +168,7 @@ def test_evaluate_and_predict_match_a_plain_copy(data):
 
 def test_partial_last_batch_smaller_than_replica_count():
     x, y = classification_data(34)  # last batch of 2 examples, 4 replicas
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model)
+    strategy, model = async_mlp()
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert strategy.version == 4 + 4 + 2  # empty shards are not stepped
@@ -194,10 +176,7 @@ def test_partial_last_batch_smaller_than_replica_count():
 
 def test_run_eagerly_applies_one_update_per_batch(data):
     x, y = data
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, run_eagerly=True)
+    strategy, model = async_mlp(compile_kwargs={"run_eagerly": True})
     model.fit(x[:128], y[:128], batch_size=BATCH, epochs=1, verbose=0)
     assert strategy.version == 4
 
@@ -214,10 +193,7 @@ def test_several_replicas_per_device(data):
 
 
 def test_gradient_accumulation_is_refused_with_advice():
-    strategy = tf_diffmap.Strategy()
-    with strategy.scope():
-        model = mlp()
-        compile_logits(model, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    strategy, model = async_mlp(lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     x, y = classification_data(64)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*larger batch size"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)

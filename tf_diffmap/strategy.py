@@ -805,7 +805,7 @@ class Strategy(_tf_internal.StrategyBase):
 
     @property
     def version(self) -> int:
-        """Updates the store has applied (a snapshot; does not drain)."""
+        """Updates claimed so far, applied or dropped (a snapshot; does not drain)."""
         return int(self.extended._store.version.numpy())
 
     def statistics(self) -> StalenessStats:
