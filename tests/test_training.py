@@ -197,3 +197,31 @@ def test_gradient_accumulation_is_refused_with_advice():
     x, y = classification_data(64)
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*larger batch size"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_custom_training_loop_with_strategy_run(data):
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        optimizer = keras.optimizers.SGD(0.1)
+        model.build((None, 8))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def step(features, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train(features, labels):
+        return strategy.run(step, args=(features, labels))
+
+    first = float(loss_fn(y, model(x)))
+    for features, labels in tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat(3):
+        train(features, labels)
+    strategy.drain()
+    assert strategy.version == 3 * (len(x) // BATCH) * 4
+    assert float(loss_fn(y, model(x))) < first
