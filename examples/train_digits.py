@@ -67,7 +67,11 @@ def main() -> None:
         help="plain: Adam as is; otherwise tf_diffmap.AsyncOptimizer with this rule",
     )
     parser.add_argument("--max-staleness", type=int, default=None, help="bounded staleness")
-    parser.add_argument("--logdir", default=None, help="also write TensorBoard logs here")
+    parser.add_argument(
+        "--logdir",
+        default=None,
+        help="write TensorBoard logs here (then: tensorboard --logdir DIR)",
+    )
     args = parser.parse_args()
 
     # Logical devices can only be made before TensorFlow initializes its devices.
@@ -90,7 +94,12 @@ def main() -> None:
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
-    callbacks = [keras.callbacks.TensorBoard(args.logdir)] if args.logdir else []
+    callbacks = []
+    if args.logdir:  # Keras' scalars and the Staleness tab, in one log directory
+        callbacks = [
+            keras.callbacks.TensorBoard(args.logdir),
+            tf_diffmap.StalenessTensorBoard(args.logdir),
+        ]
 
     start = time.perf_counter()
     model.fit(

@@ -39,5 +39,10 @@ def test_difference_between_snapshots():
 def test_text_and_dict_name_every_replica():
     stats = make([3, 1], [3, 0], [2, 0], dropped=[0, 2])
     text = str(stats)
-    assert "replica 0: 3 updates (75.0%)" in text and "dropped 2" in text
+    assert "replica 0: 3 updates (50.0%)" in text and "dropped 2" in text
     assert stats.as_dict()["max_staleness"] == [2, 0]
+
+
+def test_work_share_counts_dropped_updates_as_work():
+    stats = make([2, 6], [0, 0], [0, 0], dropped=[2, 0])
+    np.testing.assert_allclose(stats.work_share, [0.4, 0.6])

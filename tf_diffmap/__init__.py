@@ -1,6 +1,16 @@
 """tf_diffmap: asynchronous data-parallel training for TensorFlow 2 and Keras 3."""
 
+import importlib.util
+
+if importlib.util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "tf_diffmap needs TensorFlow 2.21, which is not installed. Install it "
+        'with the package: pip install "tf-diffmap[cpu]" on a CPU-only host, '
+        'or "tf-diffmap[gpu]" on a GPU host.'
+    )
+
 from tf_diffmap import testing
+from tf_diffmap.callbacks import StalenessTensorBoard
 from tf_diffmap.devices import default_replica_devices, split_devices
 from tf_diffmap.optimizer import AsyncOptimizer
 from tf_diffmap.staleness import StalenessStats, staleness_bound
@@ -13,6 +23,7 @@ __all__ = [
     "AsyncOptimizer",
     "staleness_bound",
     "StalenessStats",
+    "StalenessTensorBoard",
     "split_devices",
     "default_replica_devices",
     "testing",

@@ -82,10 +82,13 @@ class StalenessStats:
 
     @property
     def work_share(self) -> np.ndarray:
-        """Per replica, its fraction of all applied updates."""
-        updates = np.asarray(self.updates, dtype=np.float64)
-        total = updates.sum()
-        return updates / total if total else np.zeros_like(updates)
+        """Per replica, its fraction of the work: updates it computed, whether
+        applied or dropped by a staleness rule."""
+        work = np.asarray(self.updates, dtype=np.float64) + np.asarray(
+            self.dropped, dtype=np.float64
+        )
+        total = work.sum()
+        return work / total if total else np.zeros_like(work)
 
     def since(self, earlier: StalenessStats) -> StalenessStats:
         """The counts between `earlier` and this snapshot.

@@ -21,6 +21,8 @@ from tf_diffmap.staleness import StalenessStats
 __all__ = ["ParameterStore"]
 
 _VERSION_LIMIT = np.iinfo(np.int64).max
+# Columns of `ParameterStore.counters`.
+_UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _HISTOGRAM = range(5)
 
 
 def _host_of(device: str) -> str:
@@ -63,18 +65,17 @@ class ParameterStore:
             self.completed = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="store_completed"
             )
-            self.updates = tf.Variable(zeros, trainable=False, name="updates")
-            self.staleness_sum = tf.Variable(zeros, trainable=False, name="staleness_sum")
+            # Per replica, in one variable so that one update is recorded by
+            # one op and a snapshot reads them together: updates applied,
+            # updates dropped, examples, staleness sum, then the histogram.
+            self.counters = tf.Variable(
+                tf.zeros([num_replicas, _HISTOGRAM + self.histogram_bins], tf.int64),
+                trainable=False,
+                name="staleness_counters",
+            )
             self.staleness_max = tf.Variable(zeros, trainable=False, name="staleness_max")
-            self.dropped = tf.Variable(zeros, trainable=False, name="dropped")
-            self.examples = tf.Variable(zeros, trainable=False, name="examples")
             self.lr_scale_sum = tf.Variable(
                 tf.zeros([num_replicas], tf.float64), trainable=False, name="lr_scale_sum"
-            )
-            self.histogram = tf.Variable(
-                tf.zeros([num_replicas, self.histogram_bins], tf.int64),
-                trainable=False,
-                name="staleness_histogram",
             )
 
     # -- placement ------------------------------------------------------------
@@ -135,10 +136,12 @@ class ParameterStore:
     def claims_of(self, replica_id) -> tf.Tensor:
         """Claims a replica has recorded (applied plus dropped updates)."""
         with tf.device(self.host):
-            return tf.gather(self.updates.read_value() + self.dropped.read_value(), replica_id)
+            counts = self.counters.read_value()
+            return tf.gather(counts[:, _UPDATES] + counts[:, _DROPPED], replica_id)
 
     def claims_per_replica(self) -> list[int]:
-        return [int(c) for c in self.updates.numpy() + self.dropped.numpy()]
+        counts = self.counters.numpy()
+        return [int(c) for c in counts[:, _UPDATES] + counts[:, _DROPPED]]
 
     def resync_completed(self) -> None:
         """After a failed step, with nothing in flight: every claim is done."""
@@ -177,50 +180,51 @@ class ParameterStore:
             examples: the examples of the shard the update was computed on.
         """
         with tf.device(self.host):
-            row = tf.reshape(tf.cast(replica_id, tf.int64), [1, 1])
-            one = tf.ones([1], tf.int64)
-            bin_ = tf.minimum(staleness, self.histogram_bins - 1)
-            cell = tf.concat([row, tf.reshape(bin_, [1, 1])], axis=1)
-            applied_i = tf.reshape(tf.cast(applied, tf.int64), [1])
+            row = tf.cast(replica_id, tf.int64)
+            applied = tf.cast(applied, tf.int64)
+            staleness = tf.cast(staleness, tf.int64)
+            examples = tf.constant(0, tf.int64) if examples is None else tf.cast(examples, tf.int64)
+            columns = tf.stack(
+                [
+                    tf.constant(_UPDATES, tf.int64),
+                    tf.constant(_DROPPED, tf.int64),
+                    tf.constant(_EXAMPLES, tf.int64),
+                    tf.constant(_STALENESS_SUM, tf.int64),
+                    _HISTOGRAM + tf.minimum(staleness, self.histogram_bins - 1),
+                ]
+            )
+            cells = tf.stack([tf.fill([5], row), columns], axis=1)
+            values = tf.stack(
+                [applied, 1 - applied, examples, staleness * applied, tf.constant(1, tf.int64)]
+            )
             if lr_scale is None:
                 lr_scale = tf.constant(1.0, tf.float64)
-            scale = tf.reshape(tf.cast(lr_scale, tf.float64), [1]) * tf.cast(applied_i, tf.float64)
-            if examples is None:
-                examples = tf.constant(0, tf.int64)
+            scale = tf.cast(lr_scale, tf.float64) * tf.cast(applied, tf.float64)
             return tf.group(
-                self.examples.scatter_nd_add(row, tf.reshape(tf.cast(examples, tf.int64), [1])),
-                self.lr_scale_sum.scatter_nd_add(row, scale),
-                self.updates.scatter_nd_add(row, applied_i),
-                self.dropped.scatter_nd_add(row, one - applied_i),
-                self.staleness_sum.scatter_nd_add(row, tf.reshape(staleness, [1]) * applied_i),
-                self.staleness_max.scatter_nd_max(row, tf.reshape(staleness, [1]) * applied_i),
-                self.histogram.scatter_nd_add(cell, one),
+                self.counters.scatter_nd_add(cells, values),
+                self.staleness_max.scatter_nd_max(
+                    tf.reshape(row, [1, 1]), tf.reshape(staleness * applied, [1])
+                ),
+                self.lr_scale_sum.scatter_nd_add(tf.reshape(row, [1, 1]), tf.reshape(scale, [1])),
             )
 
     # -- reading from Python --------------------------------------------------
 
     def statistics(self) -> StalenessStats:
         """A snapshot of the counters (does not wait for updates in flight)."""
+        counters = self.counters.numpy()
         return StalenessStats(
             version=int(self.version.numpy()),
-            updates=self.updates.numpy(),
-            dropped=self.dropped.numpy(),
-            examples=self.examples.numpy(),
-            lr_scale_sum=self.lr_scale_sum.numpy(),
-            staleness_sum=self.staleness_sum.numpy(),
+            updates=counters[:, _UPDATES],
+            dropped=counters[:, _DROPPED],
+            examples=counters[:, _EXAMPLES],
+            staleness_sum=counters[:, _STALENESS_SUM],
+            histogram=counters[:, _HISTOGRAM:],
             staleness_max=self.staleness_max.numpy(),
-            histogram=self.histogram.numpy(),
+            lr_scale_sum=self.lr_scale_sum.numpy(),
         )
 
     def reset_statistics(self) -> None:
         """Zeroes the per-replica counters (the version keeps counting)."""
-        for variable in (
-            self.updates,
-            self.dropped,
-            self.examples,
-            self.lr_scale_sum,
-            self.staleness_sum,
-            self.staleness_max,
-            self.histogram,
-        ):
+        for variable in (self.counters, self.staleness_max, self.lr_scale_sum):
             variable.assign(tf.zeros_like(variable))

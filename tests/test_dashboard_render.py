@@ -1,0 +1,164 @@
+"""The Staleness tab rendered by headless Chromium from a real run.
+
+Chromium loads the tab twice from the TensorBoard that
+`test_tensorboard_plugin.shared_tensorboard` serves: as a page of its own
+(`/data/plugin/staleness/index.html`, the same ES module TensorBoard loads),
+whose DOM is checked for the charts; and inside TensorBoard itself
+(`/#staleness`), as a screenshot. The README's screenshot is made the same way:
+
+    python -m tests.test_dashboard_render docs/staleness_tab.png
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.test_tensorboard_plugin import (
+    REPLICAS,
+    TensorBoardServer,
+    shared_tensorboard,
+    train_logs,
+)
+from tf_diffmap.tensorboard_plugin import metadata
+
+CHROMIUM_SECONDS = 120
+WINDOW = (1400, 1000)
+
+
+def chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def run_chromium(url: str, *action: str, budget_ms: int = 10_000) -> subprocess.CompletedProcess:
+    """Headless Chromium on `url`, with a fresh profile, offline but for `url`."""
+    with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
+        command = [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--no-first-run",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            f"--window-size={WINDOW[0]},{WINDOW[1]}",
+            f"--virtual-time-budget={budget_ms}",
+            *action,
+            url,
+        ]
+        return subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=CHROMIUM_SECONDS,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def screenshot(url: str, png: Path) -> None:
+    """Saves what Chromium shows at `url` as `png`."""
+    png.parent.mkdir(parents=True, exist_ok=True)
+    result = run_chromium(url, f"--screenshot={png}", budget_ms=15_000)
+    if not png.exists():
+        raise RuntimeError(f"Chromium wrote no screenshot:\n{result.stderr[-2000:]}")
+
+
+def png_size(png: Path) -> tuple[int, int]:
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+    return struct.unpack(">II", header[16:24])
+
+
+def make_screenshot(png: Path) -> None:
+    """Trains a short run, serves it with TensorBoard, and screenshots the tab."""
+    with tempfile.TemporaryDirectory(prefix="staleness-logs-") as logdir:
+        trained = train_logs(Path(logdir), others=False)
+        server = TensorBoardServer(trained.logdir)
+        try:
+            server.wait_for_data(metadata.RUN_NAME, trained.steps[-1])
+            screenshot(server.url + "#staleness", png)
+        finally:
+            server.close()
+
+
+@pytest.fixture(scope="module")
+def served(request, tmp_path_factory):
+    if chromium() is None:
+        pytest.skip(
+            "Chromium is not installed (Debian: apt-get install chromium); "
+            ".ci/run installs it so that CI renders the tab"
+        )
+    return shared_tensorboard(request, tmp_path_factory)
+
+
+def test_tab_shows_the_charts_of_the_run(served):
+    trained, server = served
+    result = run_chromium(server.url + "data/plugin/staleness/index.html", "--dump-dom")
+    dom = result.stdout
+    assert 'id="staleness-app"' in dom, result.stderr[-2000:]
+    assert 'class="message error"' not in dom and "Could not load" not in dom
+    # Staleness over time: a line per replica and one for all of them.
+    chart = re.search(r'<svg class="line-chart"[^>]*data-chart="over-time".*?</svg>', dom, re.S)
+    assert chart, "no staleness chart"
+    lines = re.findall(r'<path class="series"[^>]*data-key="([^"]+)"', chart.group(0))
+    assert sorted(lines) == sorted([str(r) for r in range(REPLICAS)] + ["all"])
+    # The heat map: a column per point, with shaded cells.
+    heat = re.search(r'<canvas class="heatmap"[^>]*>', dom)
+    assert heat, "no heat map"
+    assert int(re.search(r'data-columns="(\d+)"', heat.group(0)).group(1)) > 1
+    assert int(re.search(r'data-cells="(\d+)"', heat.group(0)).group(1)) > 1
+    # The work share: a bar per replica, as long as its share of the updates.
+    stats = trained.statistics
+    widths = [float(w) for w in re.findall(r'class="bar-fill" style="width:([\d.]+)%', dom)]
+    assert len(widths) == REPLICAS
+    shares = stats.work_share
+    for width, share in zip(widths, shares):
+        assert width / max(widths) == pytest.approx(share / shares.max(), abs=1e-3)
+    assert f"{100 * shares[0]:.1f}%" in dom
+    assert f'<div class="value">{stats.version}</div>' in dom  # the store version card
+
+
+@pytest.mark.parametrize("run, replicas", [("one/staleness", 1), ("sixteen/staleness", 16)])
+def test_tab_reads_for_one_to_sixteen_replicas(served, run, replicas):
+    _, server = served
+    result = run_chromium(server.url + f"data/plugin/staleness/index.html?run={run}", "--dump-dom")
+    dom = result.stdout
+    assert f'<option value="{run}" selected="">' in dom, result.stderr[-2000:]
+    chart = re.search(r'<svg class="line-chart"[^>]*data-chart="over-time".*?</svg>', dom, re.S)
+    assert chart and 'class="message error"' not in dom
+    lines = re.findall(r'<path class="series"[^>]*data-key="([^"]+)"', chart.group(0))
+    assert len(lines) == replicas + 1
+    assert len(re.findall(r'class="legend-item', dom)) == replicas + 1
+    assert len(re.findall(r'class="bar-fill"', dom)) == replicas
+    assert re.search(r'<canvas class="heatmap"[^>]*data-cells="[1-9]', dom)
+
+
+def test_tab_inside_tensorboard_screenshot(served, tmp_path):
+    _, server = served
+    png = tmp_path / "staleness_tab.png"
+    screenshot(server.url + "#staleness", png)
+    assert png_size(png) == WINDOW
+    # A blank or error page compresses to a few kilobytes; charts do not.
+    assert png.stat().st_size > 60_000
+
+
+if __name__ == "__main__":
+    from tests import conftest  # noqa: F401  (four logical CPU devices)
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/staleness_tab.png")
+    make_screenshot(out)
+    print(f"wrote {out} ({out.stat().st_size} bytes)")

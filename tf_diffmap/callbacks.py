@@ -1,0 +1,368 @@
+"""`tf_diffmap.StalenessTensorBoard`: staleness in TensorBoard, from `model.fit`.
+
+The callback decides *when* to write: each point covers the updates between
+two snapshots of the strategy's counters (`Strategy.statistics()`, which reads
+a few counters and never waits for the replicas). *What* is written, and how,
+is in `tf_diffmap/tensorboard_plugin/summary.py`.
+
+Batch-level points are taken by a thread of the callback's own, not in
+Keras' training loop: measured on a busy 2-core host, reading the counters
+from the training loop while the replicas ran took about 2 to 4 ms (the
+read waits for the interpreter lock and a CPU the replicas hold), and that
+delay held back the next batch's dispatch.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import keras
+
+from tf_diffmap.optimizer import AsyncOptimizer
+from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.strategy import Strategy
+from tf_diffmap.tensorboard_plugin import metadata
+from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
+
+__all__ = ["StalenessTensorBoard"]
+
+
+def _interval(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
+    """The counts between two snapshots; all of `now` if the counters went back
+    (`Strategy.reset_statistics()` was called in between)."""
+    if before is None:
+        return now.since(_zeros_like(now))
+    delta = now.since(before)
+    if (delta.updates < 0).any() or (delta.histogram < 0).any() or (delta.dropped < 0).any():
+        return now.since(_zeros_like(now))
+    return delta
+
+
+def _zeros_like(stats: StalenessStats) -> StalenessStats:
+    return StalenessStats(
+        version=0,
+        updates=stats.updates * 0,
+        dropped=stats.dropped * 0,
+        staleness_sum=stats.staleness_sum * 0,
+        staleness_max=stats.staleness_max * 0,
+        histogram=stats.histogram * 0,
+        lr_scale_sum=None if stats.lr_scale_sum is None else stats.lr_scale_sum * 0,
+        examples=None if stats.examples is None else stats.examples * 0,
+    )
+
+
+class _Background:
+    """Runs calls one after another in a thread that exits once idle.
+
+    Like the strategy's workers, the thread stops by itself a second after
+    its last call, so a `fit` that raised (Keras then skips `on_train_end`)
+    leaves no thread behind; the next call starts one again.
+    """
+
+    def __init__(self, name: str, idle_seconds: float = 1.0):
+        self._name = name
+        self._idle_seconds = idle_seconds
+        self._calls: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable, *args) -> None:
+        with self._lock:
+            self._calls.put((fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def wait(self) -> None:
+        """Returns once every submitted call has returned."""
+        self._calls.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fn, args = self._calls.get(timeout=self._idle_seconds)
+            except queue.Empty:
+                with self._lock:
+                    if self._calls.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                fn(*args)
+            finally:
+                self._calls.task_done()
+
+
+def _active_rule(optimizer) -> str | None:
+    """A description of the model's AsyncOptimizer rule, or None if none acts."""
+    seen = set()
+    while optimizer is not None and not isinstance(optimizer, AsyncOptimizer):
+        if id(optimizer) in seen:
+            return None
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    if optimizer is None:
+        return None
+    rule = optimizer.staleness
+    name = getattr(rule, "__name__", "callable") if callable(rule) else str(rule)
+    if optimizer.drop_above is not None:
+        return f"{name} (drop_above={optimizer.drop_above})"
+    return None if name == "none" else name
+
+
+class StalenessTensorBoard(keras.callbacks.Callback):
+    """Writes the staleness of asynchronous training for TensorBoard.
+
+    Use it beside (or instead of) `keras.callbacks.TensorBoard`, with the same
+    log directory: it writes into its own run, `log_dir/staleness`, one point
+    per epoch (or per `update_freq` batches) of:
+
+    - `staleness/mean/replica_<i>` and `staleness/max/replica_<i>`: the mean
+      and largest staleness of the replica's updates in the interval, and
+      `staleness/distribution/replica_<i>`, their histogram (one bucket per
+      staleness); `.../all` for every replica together;
+    - `work/updates/...`, `work/share/replica_<i>` and
+      `work/examples_per_second/...`: the work each replica did;
+    - `store/version`: the parameter store's version;
+    - `rule/dropped/...` and `rule/lr_scale/...` when the model's
+      `tf_diffmap.AsyncOptimizer` has an active rule;
+    - a custom-scalars layout that puts every replica's line of a series in
+      one chart, and the data of the "Staleness" tab that tf_diffmap adds to
+      TensorBoard.
+
+    Points are written from the strategy's counters only, which it reads
+    without waiting for the replicas. Batch-level points are read and written
+    by a thread of the callback's own (the training loop only hands it a step
+    number), and they are kept from costing more than `max_overhead` of the
+    training time: when steps are so short that a point every `update_freq`
+    batches would cost more, a point covers more batches. An epoch's point is
+    written after the epoch's updates have all landed (as Keras' epoch-end
+    metrics wait for them anyway); with `update_freq="batch"` or `N`, the
+    point of an epoch's last batch waits for the epoch's end too, and the
+    updates still in flight at another point count in the next one, so that
+    the points add up to every update.
+
+    Args:
+        log_dir: the log directory, shared with `keras.callbacks.TensorBoard`
+            if you use it.
+        update_freq: `"epoch"` (a point per epoch, at step = epoch), `"batch"`
+            (a point per batch), or an int N (a point every N batches); the
+            step of a batch-level point counts the batches since the callback's
+            first training began, as Keras' batch-level summaries do within a
+            `fit`.
+        max_overhead: with batch-level points, the largest share of the time
+            that taking them may cost: after a point that took `t` seconds of
+            CPU, the next is not taken before `t / max_overhead` seconds have
+            passed (the batches in between count in it). None takes a point
+            every `update_freq` batches whatever it costs.
+
+    Raises:
+        ValueError: an `update_freq` or `max_overhead` out of range; or, when
+            training begins, a model that is not trained by a
+            `tf_diffmap.Strategy`.
+
+    Example:
+        >>> import keras, numpy as np, tf_diffmap
+        >>> strategy = tf_diffmap.Strategy()
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+        >>> callbacks = [keras.callbacks.TensorBoard("/tmp/logs"),
+        ...              tf_diffmap.StalenessTensorBoard("/tmp/logs")]
+        >>> _ = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike = "logs",
+        update_freq: str | int = "epoch",
+        max_overhead: float | None = 0.02,
+    ):
+        super().__init__()
+        if update_freq not in ("epoch", "batch") and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise ValueError(
+                'update_freq must be "epoch", "batch" or an int >= 1 (a point every '
+                f"that many batches), received {update_freq!r}."
+            )
+        if max_overhead is not None and not 0 < max_overhead <= 1:
+            raise ValueError(
+                "max_overhead must be a fraction of the training time in (0, 1], or None "
+                f"to take every point whatever it costs, received {max_overhead!r}."
+            )
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = update_freq
+        self.max_overhead = max_overhead
+        self._next_point = 0.0  # perf_counter time before which no point is taken
+        self._every = (
+            None if update_freq == "epoch" else 1 if update_freq == "batch" else update_freq
+        )
+        self._writer: StalenessSummaryWriter | None = None
+        self._points = _Background("tf_diffmap-staleness-points")
+        self._point_error: BaseException | None = None
+        self._totals = None
+        self._snapshot: StalenessStats | None = None
+        self._batches = 0
+        self._deferred = False
+        self._training = False
+        self._interval_start = 0.0
+        self._paused = 0.0
+        self._test_start: float | None = None
+
+    @property
+    def run_dir(self) -> str:
+        """Where the summaries go: `log_dir/staleness`."""
+        return os.path.join(self.log_dir, metadata.RUN_NAME)
+
+    def _strategy(self) -> Strategy:
+        strategy = getattr(self.model, "distribute_strategy", None)
+        if not isinstance(strategy, Strategy):
+            raise ValueError(
+                "StalenessTensorBoard reports the staleness of a tf_diffmap.Strategy, "
+                f"but this model is trained by {type(strategy).__name__}. Build and "
+                "compile the model inside `with tf_diffmap.Strategy().scope():`, or "
+                "drop StalenessTensorBoard from the callbacks."
+            )
+        return strategy
+
+    # -- training ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        strategy = self._strategy()
+        if self._writer is not None:  # a fit that raised: Keras skipped on_train_end
+            self._close()
+        self._snapshot = strategy.statistics()
+        rule = _active_rule(getattr(self.model, "optimizer", None))
+        run_info = metadata.RunInfo(
+            num_replicas=self._snapshot.num_replicas,
+            devices=tuple(strategy.replica_devices),
+            histogram_bins=int(self._snapshot.histogram.shape[1]),
+            step_unit="epoch" if self._every is None else "batch",
+            rule=rule,
+        )
+        if self._totals is not None and self._totals.shape[0] != run_info.num_replicas:
+            self._totals = None
+        self._writer = StalenessSummaryWriter(
+            self.run_dir, run_info, rules=rule is not None, totals=self._totals
+        )
+        self._writer.write_layout()
+        self._point_error = None
+        self._next_point = 0.0
+        self._training = True
+        self._deferred = False
+        self._start_interval()
+
+    def on_train_end(self, logs=None):
+        if self._writer is None:
+            return
+        try:
+            if self._every is not None:
+                self._wait_for_points()
+                # Whatever landed after the last point (at most the batches
+                # after the last multiple of N): training is over, so draining
+                # costs nothing here.
+                strategy = self._strategy()
+                strategy.drain()
+                now = strategy.statistics()
+                if _interval(now, self._snapshot).histogram.any():
+                    self._write(self._batches, now)
+            self._writer.flush()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._points.wait()
+        if self._writer is None:
+            return
+        self._totals = self._writer.totals
+        self._writer.close()
+        self._writer = None
+        self._training = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._every is None:
+            self._start_interval()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._writer is None:
+            return
+        self._wait_for_points()
+        if self._every is None or self._deferred:
+            # Keras has read the epoch's metrics, which waits for every update
+            # in flight; draining again is free and makes the point complete
+            # whatever the model's metrics are.
+            strategy = self._strategy()
+            strategy.drain()
+            self._write(epoch if self._every is None else self._batches, strategy.statistics())
+            self._deferred = False
+        self._writer.flush()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._every is None or self._writer is None:
+            return
+        self._batches += 1
+        if self._batches % self._every:
+            return
+        steps = self.params.get("steps") if self.params else None
+        if steps is not None and batch + 1 >= steps:
+            self._deferred = True  # the epoch's last batch: written at the epoch's end
+            return
+        self._raise_point_error()
+        if time.perf_counter() < self._next_point:
+            return  # within the overhead budget: these batches count in the next point
+        self._points.submit(self._take_point, self._strategy(), self._batches)
+
+    # -- validation inside fit: not training time -------------------------
+
+    def on_test_begin(self, logs=None):
+        if self._training:
+            self._wait_for_points()  # so that only this thread keeps the clock now
+            self._test_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        if self._training and self._test_start is not None:
+            self._paused += time.perf_counter() - self._test_start
+            self._test_start = None
+
+    # -- writing ----------------------------------------------------------
+
+    def _take_point(self, strategy: Strategy, step: int) -> None:
+        """In the callback's thread: a batch-level point, read now."""
+        try:
+            if time.perf_counter() < self._next_point:
+                return  # requested before the previous point set the budget
+            cpu = time.thread_time()
+            self._write(step, strategy.statistics())
+            if self.max_overhead is not None:
+                cost = time.thread_time() - cpu
+                self._next_point = time.perf_counter() + cost / self.max_overhead
+        except BaseException as error:  # raised in the training thread, next batch
+            self._point_error = self._point_error or error
+
+    def _raise_point_error(self) -> None:
+        if self._point_error is not None:
+            error, self._point_error = self._point_error, None
+            self._close()  # the fit fails here: keep what was written
+            raise error
+
+    def _wait_for_points(self) -> None:
+        """Waits for the points the thread has still to write, and raises
+        the error that writing one met, if any."""
+        self._points.wait()
+        self._raise_point_error()
+
+    def _start_interval(self) -> None:
+        self._interval_start = time.perf_counter()
+        self._paused = 0.0
+
+    def _write(self, step: int, now: StalenessStats) -> None:
+        seconds = time.perf_counter() - self._interval_start - self._paused
+        self._writer.write(step, _interval(now, self._snapshot), now.version, seconds)
+        self._snapshot = now
+        self._start_interval()

@@ -1,0 +1,404 @@
+"""Staleness statistics as TensorBoard summaries.
+
+`interval_figures` turns the difference of two `StalenessStats` snapshots into
+the numbers one point of each series shows (plain NumPy, tested on its own);
+`StalenessSummaryWriter` writes them as TensorBoard summaries into an event
+file of its own (`event_file.py`).
+
+The values are the tensors `tf.summary.scalar` and `tf.summary.histogram`
+would write, with the same plugin metadata, so TensorBoard reads them as
+scalars and histograms; they are built as protocol buffers in Python rather
+than with TensorFlow ops because a point per batch must cost little (see
+`event_file.py`). Writing needs no `tf.summary` state, so a recording
+condition left on by another callback (Keras' `TensorBoard` with an integer
+`update_freq`, tensorflow/tensorboard#4975) cannot drop these summaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+
+from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.tensorboard_plugin import metadata
+from tf_diffmap.tensorboard_plugin.event_file import EventFile
+
+__all__ = ["IntervalFigures", "interval_figures", "scalars_layout", "StalenessSummaryWriter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalFigures:
+    """The figures of one point: the updates between two snapshots.
+
+    Per-replica arrays have one entry per replica followed by one for all
+    replicas together (index -1), except `share`.
+
+    Attributes:
+        version: the store version at the end of the interval.
+        updates: updates applied in the interval.
+        claimed: updates applied or dropped in the interval.
+        mean: mean staleness of the interval's updates, applied or dropped
+            (0 where none).
+        max: largest staleness of the interval's updates, applied or dropped.
+        histogram: `[replicas + 1, bins]` counts of staleness 0, 1, ...,
+            trimmed after the last non-empty bin of any row.
+        share: per replica, its fraction of the interval's work: updates it
+            computed, applied or dropped.
+        examples_per_second: examples per second of training time, or None
+            when the strategy does not count examples or no time passed.
+        dropped: updates dropped in the interval.
+        lr_scale: mean learning-rate factor of the applied updates (0 where none).
+    """
+
+    version: int
+    updates: np.ndarray
+    claimed: np.ndarray
+    mean: np.ndarray
+    max: np.ndarray
+    histogram: np.ndarray
+    share: np.ndarray
+    examples_per_second: np.ndarray | None
+    dropped: np.ndarray
+    lr_scale: np.ndarray
+
+
+def _with_all(per_replica, total) -> np.ndarray:
+    return np.append(np.asarray(per_replica, dtype=np.float64), np.float64(total))
+
+
+def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator > 0)
+
+
+def interval_figures(interval: StalenessStats, version: int, seconds: float) -> IntervalFigures:
+    """The figures of a point from the counts of its interval.
+
+    The staleness figures (mean, max, distribution) all come from the
+    interval's histogram, so that they agree with each other: a snapshot of
+    the strategy's counters reads them one after the other while replicas
+    keep recording, so between two snapshots taken during training
+    `staleness_sum` and `updates` may differ by an update or two, which in a
+    short interval would make a mean no update had. An update in the
+    histogram's last bin counts as that bin's staleness. Between snapshots
+    taken with no update in flight (an epoch's end), with no update dropped
+    and none in the last bin, the mean is `StalenessStats.mean_staleness`
+    exactly; the other figures are always the arithmetic of `StalenessStats`
+    (`interval_max_staleness`, `work_share`, `mean_lr_scale`).
+
+    Args:
+        interval: the counts of the interval, e.g. `now.since(before)`.
+        version: the store version at the end of the interval.
+        seconds: the training time the interval took (without validation).
+
+    Returns:
+        An `IntervalFigures`.
+    """
+    histogram = np.asarray(interval.histogram, dtype=np.int64)
+    histogram = np.vstack([histogram, histogram.sum(axis=0, keepdims=True)])
+    bins = np.arange(histogram.shape[1])
+    largest = np.where(histogram > 0, bins, 0).max(axis=1)
+    claimed = histogram.sum(axis=1).astype(np.float64)
+    mean = _ratio((histogram * bins).sum(axis=1).astype(np.float64), claimed)
+    histogram = histogram[:, : int(largest[-1]) + 1]
+    updates = _with_all(interval.updates, np.sum(interval.updates))
+    work = np.asarray(interval.updates, np.float64) + np.asarray(interval.dropped, np.float64)
+    lr_scale_sum = interval.lr_scale_sum
+    if lr_scale_sum is None:  # no rule recorded a factor: every update had 1
+        lr_scale_sum = interval.updates
+    examples_per_second = None
+    if interval.examples is not None and seconds > 0:
+        examples_per_second = _with_all(interval.examples, np.sum(interval.examples)) / seconds
+    return IntervalFigures(
+        version=int(version),
+        updates=updates,
+        claimed=claimed,
+        mean=mean,
+        max=largest.astype(np.float64),
+        histogram=histogram,
+        share=work / work.sum() if work.sum() else np.zeros_like(work),
+        examples_per_second=examples_per_second,
+        dropped=_with_all(interval.dropped, np.sum(interval.dropped)),
+        lr_scale=_ratio(_with_all(lr_scale_sum, np.sum(lr_scale_sum)), updates),
+    )
+
+
+def scalars_layout(rules: bool) -> layout_pb2.Layout:
+    """The custom-scalars layout: every replica's line of a series in one chart.
+
+    TensorBoard merges the layouts of all runs, dropping charts that are the
+    same, so the charts do not depend on the run (e.g. its replica count).
+
+    Args:
+        rules: add the charts of an active AsyncOptimizer rule.
+
+    Returns:
+        A `layout_pb2.Layout` with one category, `metadata.LAYOUT_CATEGORY`.
+    """
+
+    def chart(title: str, series: str, with_all: bool = True) -> layout_pb2.Chart:
+        suffix = r"(replica_\d+|all)" if with_all else r"replica_\d+"
+        return layout_pb2.Chart(
+            title=title,
+            multiline=layout_pb2.MultilineChartContent(tag=[rf"^{series}/{suffix}$"]),
+        )
+
+    charts = [
+        chart("Mean staleness per replica", metadata.MEAN),
+        chart("Largest staleness per replica", metadata.MAX),
+        chart("Updates applied per replica", metadata.UPDATES, with_all=False),
+        chart("Share of the work per replica", metadata.SHARE, with_all=False),
+        chart("Examples per second per replica", metadata.EXAMPLES_PER_SECOND),
+        layout_pb2.Chart(
+            title="Store version",
+            multiline=layout_pb2.MultilineChartContent(tag=[rf"^{metadata.VERSION}$"]),
+        ),
+    ]
+    if rules:
+        charts += [
+            chart("Dropped updates per replica", metadata.DROPPED),
+            chart("Effective learning-rate scale per replica", metadata.LR_SCALE),
+        ]
+    return layout_pb2.Layout(
+        category=[layout_pb2.Category(title=metadata.LAYOUT_CATEGORY, chart=charts)]
+    )
+
+
+_DESCRIPTIONS = {
+    metadata.MEAN: "Mean staleness of the interval's updates (applied or dropped): "
+    "updates other replicas claimed while this one computed its gradient.",
+    metadata.MAX: "Largest staleness of an update in the interval (applied or dropped).",
+    metadata.DISTRIBUTION: "Staleness of the interval's updates, one bucket per "
+    "staleness; the strategy's last bin counts that staleness and above.",
+    metadata.UPDATES: "Updates applied to the parameter store in the interval.",
+    metadata.SHARE: "This replica's fraction of the updates computed in the interval "
+    "(applied or dropped).",
+    metadata.EXAMPLES_PER_SECOND: "Examples per second of training time in the interval.",
+    metadata.VERSION: "Updates the parameter store has applied since it was created.",
+    metadata.DROPPED: "Updates computed but not applied (staler than drop_above).",
+    metadata.LR_SCALE: "Mean factor the staleness rule applied to the learning rate.",
+}
+
+
+def histogram_buckets(counts: np.ndarray) -> np.ndarray:
+    """Counts of staleness 0, 1, ... as the histograms plugin's buckets.
+
+    Bucket s spans [s - 0.5, s + 0.5), so that each integer staleness sits in
+    the middle of its own bucket.
+
+    Args:
+        counts: `[..., k]` counts of staleness 0 to k - 1.
+
+    Returns:
+        `[..., k, 3]` float64 (left edge, right edge, count).
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    buckets = np.empty(counts.shape + (3,))
+    centers = np.arange(counts.shape[-1], dtype=np.float64)
+    buckets[..., 0] = centers - 0.5
+    buckets[..., 1] = centers + 0.5
+    buckets[..., 2] = counts
+    return buckets
+
+
+def _set_matrix(tensor: tensor_pb2.TensorProto, array: np.ndarray) -> None:
+    array = np.ascontiguousarray(array, dtype="<f8")
+    dims = tensor.tensor_shape.dim
+    if len(dims) != array.ndim:
+        del dims[:]
+        dims.add().size = 0
+        for _ in range(array.ndim - 1):
+            dims.add().size = 0
+    for dim, size in zip(dims, array.shape):
+        dim.size = size
+    tensor.tensor_content = array.tobytes()
+
+
+class _Series:
+    """The `Summary.Value` of one tag, reused from point to point.
+
+    Building a fresh protocol buffer for each of a point's values costs
+    several times more than updating one in place.
+    """
+
+    def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata, dtype: int):
+        self.value = summary_pb2.Summary.Value(tag=tag, tensor=tensor_pb2.TensorProto(dtype=dtype))
+        self.value.tensor.tensor_shape.SetInParent()
+        # Like TensorFlow's own writer, the first value of a tag in an event
+        # file carries its metadata; TensorBoard keeps the first it reads.
+        self.value.metadata.CopyFrom(summary_metadata)
+        self._described = False
+
+    def scalar(self, number: float) -> summary_pb2.Summary.Value:
+        values = self.value.tensor.float_val
+        if values:
+            values[0] = number
+        else:
+            values.append(number)
+        return self._next()
+
+    def matrix(self, array: np.ndarray) -> summary_pb2.Summary.Value:
+        _set_matrix(self.value.tensor, array)
+        return self._next()
+
+    def _next(self) -> summary_pb2.Summary.Value:
+        value = self.value
+        if self._described:
+            return value
+        self._described = True
+        described = summary_pb2.Summary.Value()
+        described.CopyFrom(value)
+        value.ClearField("metadata")
+        return described
+
+
+class StalenessSummaryWriter:
+    """Writes staleness figures as TensorBoard summaries into `log_dir`.
+
+    Args:
+        log_dir: the run's directory (the callback's `log_dir/staleness`).
+        run_info: what the dashboard needs to know about the run.
+        rules: also write the dropped updates and the learning-rate scale.
+        totals: running totals to continue from (`[replicas, len(TOTALS_COLUMNS)]`),
+            e.g. those of an earlier writer of the same run; zeros by default.
+
+    Raises:
+        ValueError: `totals` of the wrong shape.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike,
+        run_info: metadata.RunInfo,
+        rules: bool,
+        totals: np.ndarray | None = None,
+    ):
+        self.run_info = run_info
+        self.rules = rules
+        shape = (run_info.num_replicas, len(metadata.TOTALS_COLUMNS))
+        self.totals = np.zeros(shape) if totals is None else np.array(totals, np.float64)
+        if self.totals.shape != shape:
+            raise ValueError(f"totals must have shape {shape}, received {self.totals.shape}.")
+        self._file = EventFile(log_dir)
+        self._series: dict[tuple[str, int | None | str], _Series] = {}
+
+    @property
+    def path(self) -> str:
+        """The event file."""
+        return self._file.path
+
+    def _get(self, series: str, replica: int | None | str) -> _Series:
+        found = self._series.get((series, replica))
+        if found is None:
+            tag = series if replica == "" else metadata.tag(series, replica)
+            if series == metadata.DISTRIBUTION:
+                meta = histogram_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
+                meta.data_class = summary_pb2.DATA_CLASS_TENSOR
+                dtype = types_pb2.DT_DOUBLE
+            elif series == metadata.TOTALS:
+                meta = summary_pb2.SummaryMetadata(
+                    summary_description="Running totals per replica: "
+                    + ", ".join(metadata.TOTALS_COLUMNS),
+                    plugin_data=summary_pb2.SummaryMetadata.PluginData(
+                        plugin_name=metadata.PLUGIN_NAME, content=self.run_info.to_bytes()
+                    ),
+                    data_class=summary_pb2.DATA_CLASS_TENSOR,
+                )
+                dtype = types_pb2.DT_DOUBLE
+            else:
+                meta = scalar_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
+                meta.data_class = summary_pb2.DATA_CLASS_SCALAR
+                # float32 as `tf.summary.scalar` writes: TensorBoard's data
+                # server takes no other scalar type.
+                dtype = types_pb2.DT_FLOAT
+            found = self._series[series, replica] = _Series(tag, meta, dtype)
+        return found
+
+    def point(
+        self, interval: StalenessStats, version: int, seconds: float
+    ) -> list[summary_pb2.Summary.Value]:
+        """The values of one point (and adds its counts to the totals).
+
+        Args:
+            interval: the counts since the previous point.
+            version: the store version now.
+            seconds: the training time since the previous point.
+
+        Returns:
+            The `Summary.Value`s to write, in an order that keeps each
+            replica's series together. They are reused by the next call:
+            write them before.
+        """
+        figures = interval_figures(interval, version, seconds)
+        totals = self.totals
+        totals[:, 0] += interval.updates
+        totals[:, 1] += interval.dropped
+        if interval.examples is not None:
+            totals[:, 2] += interval.examples
+        totals[:, 3] += interval.staleness_sum
+        totals[:, 4] = np.maximum(totals[:, 4], figures.max[:-1])
+
+        get = self._get
+        values = []
+        add = values.append
+        replicas = list(range(len(figures.share))) + [None]
+        eps = figures.examples_per_second
+        buckets = histogram_buckets(figures.histogram)
+        for i, r in enumerate(replicas):
+            if figures.claimed[i] > 0:
+                add(get(metadata.MEAN, r).scalar(figures.mean[i]))
+                add(get(metadata.MAX, r).scalar(figures.max[i]))
+                add(get(metadata.DISTRIBUTION, r).matrix(buckets[i]))
+            add(get(metadata.UPDATES, r).scalar(figures.updates[i]))
+            if r is not None:
+                add(get(metadata.SHARE, r).scalar(figures.share[i]))
+            if eps is not None:
+                add(get(metadata.EXAMPLES_PER_SECOND, r).scalar(eps[i]))
+            if self.rules:
+                add(get(metadata.DROPPED, r).scalar(figures.dropped[i]))
+                if figures.updates[i] > 0:
+                    add(get(metadata.LR_SCALE, r).scalar(figures.lr_scale[i]))
+        add(get(metadata.VERSION, "").scalar(version))
+        add(get(metadata.TOTALS, "").matrix(totals))
+        return values
+
+    # -- what the callback calls ------------------------------------------
+
+    def write_layout(self) -> None:
+        """Writes the custom-scalars layout (once per writer is enough)."""
+        layout = scalars_layout(self.rules)
+        value = summary_pb2.Summary.Value(
+            tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
+            metadata=custom_scalar_metadata.create_summary_metadata(),
+            tensor=tensor_pb2.TensorProto(
+                dtype=types_pb2.DT_STRING,
+                tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+                string_val=[layout.SerializeToString()],
+            ),
+        )
+        self._file.write([value], step=0)
+
+    def write(self, step: int, interval: StalenessStats, version: int, seconds: float) -> None:
+        """Writes one point of every series.
+
+        Args:
+            step: the point's step (an epoch, or a count of batches).
+            interval: the counts since the previous point.
+            version: the store version now.
+            seconds: the training time since the previous point.
+        """
+        self._file.write(self.point(interval, version, seconds), step)
+
+    def flush(self) -> None:
+        """Writes buffered points to disk."""
+        self._file.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self._file.close()
