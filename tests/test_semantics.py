@@ -142,7 +142,7 @@ def test_reading_weights_during_fit_sees_every_dispatched_update():
 
 def test_step_knows_the_parameters_its_forward_pass_read():
     """Delay compensation needs w_read: the value the forward pass used."""
-    from tf_diffmap.strategy import current_step
+    from tf_diffmap.step import current_step
 
     strategy = tf_diffmap.Strategy(devices=["CPU:0"])
     with strategy.scope():

@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap import staleness as rules
-from tf_diffmap.strategy import current_step
+from tf_diffmap.step import current_step
 
 __all__ = ["AsyncOptimizer"]
 

@@ -23,379 +23,25 @@ Keras' graph, on the first replica device.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
 from tf_diffmap.devices import default_replica_devices, resolve_devices
 from tf_diffmap.inputs import HostDataset
+from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
 from tf_diffmap.store import ParameterStore
 from tf_diffmap.workers import WorkerPool
 
 __all__ = ["Strategy", "current_step"]
 
 _tracing = _tf_internal.replica_tracing()
-
-
-class Claim:
-    """A replica step's claim on a store version.
-
-    Attributes:
-        staleness: int64 scalar: versions claimed by others between this
-            step's read and this claim.
-        applied: bool scalar: False when a staleness rule dropped the update.
-        lr_scale: float scalar the learning rate is multiplied by, or None.
-    """
-
-    def __init__(self, staleness: tf.Tensor):
-        self.staleness = staleness
-        self.applied: tf.Tensor | None = None
-        self.lr_scale: tf.Tensor | None = None
-
-
-class StepState:
-    """What one replica step knows while it is traced (or run eagerly).
-
-    The step claims its version once its gradient is known, before its first
-    update; updates that need no gradient (weight decay) wait for the claim.
-    A claim made inside a conditional (Keras' loss-scale optimizer applies
-    updates under `tf.cond`) belongs to that branch's graph and to the graphs
-    nested in it.
-
-    Attributes:
-        replica_id: int32 scalar tensor.
-        read_version: the store version read before the forward pass.
-        claimed: whether any claim was made while tracing.
-    """
-
-    def __init__(
-        self, store: ParameterStore, replica_id: tf.Tensor, examples: tf.Tensor | None = None
-    ):
-        self.store = store
-        self.replica_id = replica_id
-        self.examples = examples
-        self.graph = tf.compat.v1.get_default_graph()
-        self.read_version = store.read_version()
-        self.claimed = False
-        self._claims: dict[Any, Claim] = {}
-        self._deferred: dict[Any, list] = {}
-        # Filled on first use: the step graph's first read of each variable.
-        self._first_reads: dict[int, tf.Tensor] | None = None
-        self._internal_handles: dict[int, tf.Tensor] = {}
-
-    @staticmethod
-    def _graph_key(graph) -> Any:
-        # Eager execution has no graph object to key on.
-        return id(graph) if graph is not None else None
-
-    def _graphs(self):
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        while graph is not None:
-            yield graph
-            graph = getattr(graph, "outer_graph", None)
-        if tf.executing_eagerly():
-            yield None
-
-    def current_claim(self) -> Claim | None:
-        """The claim visible from the current graph, if any."""
-        for graph in self._graphs():
-            claim = self._claims.get(self._graph_key(graph))
-            if claim is not None:
-                return claim
-        return None
-
-    def claim(self, after: Sequence[Any], record: bool = True) -> Claim:
-        """Claims a version once `after` (the gradients) are computed.
-
-        Args:
-            after: tensors the claim waits for.
-            record: record the update in the statistics now, as applied
-                with an unchanged learning rate. `AsyncOptimizer` passes
-                False and calls `record` itself once its rule has decided.
-        """
-        existing = self.current_claim()
-        if existing is not None:
-            return existing
-        deps = [t for t in (_as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
-        with tf.control_dependencies(deps):
-            claim = Claim(self.store.claim_version(self.read_version))
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._claims[self._graph_key(graph)] = claim
-        self.claimed = True
-        if record:
-            self.record(claim, tf.constant(True), None)
-        return claim
-
-    def record(self, claim: Claim, applied: tf.Tensor, lr_scale: tf.Tensor | None) -> None:
-        """Records a claimed update in the store's statistics."""
-        claim.applied, claim.lr_scale = applied, lr_scale
-        self.store.record(self.replica_id, claim.staleness, applied, lr_scale, self.examples)
-
-    def defer(self, update) -> None:
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._deferred.setdefault(self._graph_key(graph), []).append(update)
-
-    def flush(self) -> None:
-        """Applies the updates deferred in this graph (after the claim)."""
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        pending = self._deferred.pop(self._graph_key(graph), [])
-        if pending:
-            with tf.control_dependencies([self.current_claim().staleness]):
-                for update in pending:
-                    update()
-
-    def finish(self, outputs: Any) -> None:
-        """Runs what was deferred, claiming a version if none was yet."""
-        key = self._graph_key(None if tf.executing_eagerly() else self.graph)
-        if self._deferred.get(key):
-            self.claim(after=outputs)
-            self.flush()
-
-    def read_value_of(self, variable) -> tf.Tensor:
-        """The value of `variable` that this step's forward pass read.
-
-        In a traced step that is the output of the first read of the variable
-        in the step's graph; a variable the forward pass did not read (and an
-        eager step) reads it now.
-        """
-        if not tf.executing_eagerly() and self._first_reads is None:
-            self._internal_handles = {
-                id(external): internal for external, internal in self.graph.captures
-            }
-            self._first_reads = {}
-            for op in self.graph.get_operations():
-                if op.type == "ReadVariableOp":
-                    self._first_reads.setdefault(id(op.inputs[0]), op.outputs[0])
-        internal = self._internal_handles.get(id(variable.handle))
-        if internal is not None and id(internal) in (self._first_reads or {}):
-            return self._first_reads[id(internal)]
-        return variable.read_value()
-
-
-_current = threading.local()
-
-
-def current_step() -> StepState | None:
-    """The replica step being traced in this thread, if any.
-
-    `tf_diffmap.AsyncOptimizer` reads the step's staleness from here.
-    """
-    return getattr(_current, "step", None)
-
-
-@contextlib.contextmanager
-def _replica_step(state: StepState | None):
-    previous = (_tracing.active, getattr(_current, "step", None))
-    _tracing.active, _current.step = True, state
-    try:
-        yield
-    finally:
-        _tracing.active, _current.step = previous
-
-
-def _as_dependency(value):
-    if isinstance(value, tf.IndexedSlices):
-        return value.values
-    if isinstance(value, (tf.Tensor, tf.Operation)):
-        return value
-    return None
-
-
-def _batch_size(tensors) -> tf.Tensor | None:
-    """Examples in a shard: the leading dimension of its first batched tensor."""
-    for tensor in tensors:
-        tensor = tf.convert_to_tensor(tensor)
-        if tensor.shape.rank:
-            return tf.shape(tensor, out_type=tf.int64)[0]
-    return None
-
-
-def _is_tensor(value) -> bool:
-    return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
-
-
-class _Program:
-    """One traced replica step and how to feed it."""
-
-    def __init__(self, extended: _AsyncExtended, fn, args, kwargs):
-        self.extended = extended
-        self.structure = (args, kwargs)
-        leaves = tf.nest.flatten(self.structure)
-        self.tensor_positions = [i for i, leaf in enumerate(leaves) if _is_tensor(leaf)]
-        self.static_leaves = list(leaves)
-        specs = []
-        for i in self.tensor_positions:
-            leaf = leaves[i]
-            if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
-                raise ValueError(
-                    "tf_diffmap.Strategy splits batches of dense tensors into "
-                    f"shards, received a {type(leaf).__name__}. Make it dense in the "
-                    "input pipeline (`tf.sparse.to_dense(t)` for a SparseTensor, "
-                    "`t.to_tensor()` for a RaggedTensor)."
-                )
-            leaf = tf.convert_to_tensor(leaf)
-            shape = leaf.shape
-            if shape.rank:
-                shape = tf.TensorShape([None]).concatenate(shape[1:])
-            specs.append(tf.TensorSpec(shape, leaf.dtype))
-            self.static_leaves[i] = None
-        self.specs = specs
-        self.trains = False
-        self.latest: list | None = None
-        self._trace(fn)
-
-    def _pack(self, tensors):
-        leaves = list(self.static_leaves)
-        for i, tensor in zip(self.tensor_positions, tensors):
-            leaves[i] = tensor
-        return tf.nest.pack_sequence_as(self.structure, leaves)
-
-    def _trace(self, fn) -> None:
-        extended = self.extended
-        strategy = extended._container_strategy()
-        install_summary_state = _tf_internal.capture_summary_state()
-        dtype_policy = keras.config.dtype_policy()
-        result: dict[str, Any] = {}
-
-        def make_replica_step(device):
-            def replica_step(replica_id, *tensors):
-                args, kwargs = self._pack(tensors)
-                with (
-                    tf.device(device),
-                    tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
-                ):
-                    state = StepState(extended._store, replica_id, _batch_size(tensors))
-                    with _replica_step(state):
-                        with tf.control_dependencies([state.read_version]):
-                            outputs = fn(*args, **kwargs)
-                        state.finish(outputs)
-                    # Claims this replica has made in all (read after this
-                    # step's records): a claim inside a branch may not run.
-                    claims = extended._store.claims_of(replica_id)
-                result.setdefault("trains", state.claimed)
-                return outputs, claims
-
-            return replica_step
-
-        def trace():
-            try:
-                install_summary_state()
-                keras.config.set_dtype_policy(dtype_policy)
-                with strategy.scope():
-                    for device in dict.fromkeys(extended.replica_devices):
-                        function = tf.function(make_replica_step(device), autograph=False)
-                        self.concretes[device] = function.get_concrete_function(
-                            tf.TensorSpec([], tf.int32), *self.specs
-                        )
-                        if not result["trains"]:
-                            break  # A synchronous step runs on the first device only.
-            except BaseException as error:  # noqa: BLE001 - re-raised below
-                result["error"] = error
-
-        self.concretes: dict[str, Any] = {}
-        thread = threading.Thread(target=trace, name="tf_diffmap-trace")
-        thread.start()
-        thread.join()
-        if "error" in result:
-            error = result["error"]
-            if isinstance(error, RuntimeError) and "Mixing different tf.distribute" in str(error):
-                raise RuntimeError(
-                    f"{error} -- an object used in the step (usually the "
-                    "optimizer) was created outside `strategy.scope()`. Create "
-                    "it inside the scope, for example `with strategy.scope(): "
-                    "model.compile(optimizer=keras.optimizers.SGD(...), ...)`."
-                ) from error
-            raise error
-        self.concrete = self.concretes[extended.replica_devices[0]]
-        self.trains = result["trains"]
-        outputs, _ = self.concrete.structured_outputs
-        self.output_structure = outputs
-        out_leaves = tf.nest.flatten(outputs)
-        self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
-        self.output_specs = [
-            tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions
-        ]
-        self.static_outputs = [None if isinstance(o, tf.Tensor) else o for o in out_leaves]
-
-    def _pack_outputs(self, tensors):
-        leaves = list(self.static_outputs)
-        for i, tensor in zip(self.output_positions, tensors):
-            leaves[i] = tensor
-        return tf.nest.pack_sequence_as(self.output_structure, leaves)
-
-    # -- in Keras' graph --------------------------------------------------
-
-    def call_in_graph(self, args, kwargs):
-        """A synchronous step: drain, then run on the first replica device."""
-        leaves = tf.nest.flatten((args, kwargs))
-        tensors = [leaves[i] for i in self.tensor_positions]
-        drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
-        with tf.control_dependencies([drained]):
-            outputs, _ = self.concrete(tf.constant(0, tf.int32), *tensors)
-        return outputs
-
-    def dispatch_in_graph(self, args, kwargs):
-        """An asynchronous step: queue the shards, return recent outputs."""
-        leaves = tf.nest.flatten((args, kwargs))
-        tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
-        flat = tf.py_function(
-            self._dispatch,
-            tensors,
-            [s.dtype for s in self.output_specs],
-            name="tf_diffmap_dispatch",
-        )
-        if not isinstance(flat, (list, tuple)):
-            flat = [flat]
-        for tensor, spec in zip(flat, self.output_specs):
-            tensor.set_shape(spec.shape)
-        return self._pack_outputs(flat)
-
-    # -- in the dispatch op (eager, on a TensorFlow thread) -----------------
-
-    def _drain(self):
-        self.extended._pool.wait_for(lambda: self.extended._pool.in_flight == 0)
-        return True
-
-    def _dispatch(self, *tensors):
-        pool = self.extended._pool
-        shards = self.extended.split(tensors)
-        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
-        if pool.submit(tasks):
-            pool.wait_for(lambda: self.latest is not None)
-        return self.latest if self.latest is not None else self._placeholder_outputs()
-
-    def _placeholder_outputs(self):
-        # Only returned after a replica failed: the caller's thread raises that
-        # error at its next step, so these values are never reported.
-        return [
-            tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
-            for s in self.output_specs
-        ]
-
-    # -- in a worker thread ---------------------------------------------------
-
-    def _run_shard(self, shard, replica_id: int) -> None:
-        concrete = self.concretes[self.extended.replica_devices[replica_id]]
-        try:
-            outputs, claims = concrete(tf.constant(replica_id, tf.int32), *shard)
-        except BaseException:
-            # Whether it claimed a version is unknown: count again once idle.
-            self.extended._resync_completed = True
-            raise
-        # The step has finished writing: later reads see its update (a step
-        # whose update was skipped, e.g. for non-finite gradients, claimed none).
-        self.extended._complete_claims(replica_id, int(claims))
-        flat = tf.nest.flatten(outputs)
-        self.latest = [flat[i] for i in self.output_positions]
 
 
 class _AsyncExtended(_tf_internal.ExtendedBase):
@@ -421,7 +67,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             queue_size=queue_size,
             max_staleness=max_staleness,
         )
-        self._programs: dict[Any, _Program] = {}
+        self._programs: dict[Any, Program] = {}
         self._resync_completed = False
         self._claims_seen = [0] * len(replica_devices)
         self._store_variable_ids: set[int] = set()
@@ -525,9 +171,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             tf.device(self.replica_devices[0]),
             tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
         ):
-            leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if _is_tensor(leaf)]
-            state = StepState(self._store, tf.constant(0, tf.int32), _batch_size(leaves))
-            with _replica_step(state):
+            leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if is_tensor(leaf)]
+            state = StepState(self._store, tf.constant(0, tf.int32), batch_size(leaves))
+            with tracing_step(state):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
             if state.claimed:
@@ -549,7 +195,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 )
             optimizer = getattr(optimizer, "inner_optimizer", None)
 
-    def _program_for(self, fn, args, kwargs) -> _Program:
+    def _program_for(self, fn, args, kwargs) -> Program:
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
         leaves = tf.nest.flatten((args, kwargs))
@@ -560,14 +206,14 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 else None,
                 getattr(leaf, "dtype", type(leaf)),
             )
-            if _is_tensor(leaf)
+            if is_tensor(leaf)
             else ("static", repr(leaf))
             for leaf in leaves
         )
         key = (target, tf.nest.map_structure(lambda _: 0, (args, kwargs)).__repr__(), signature)
         program = self._programs.get(key)
         if program is None:
-            program = _Program(self, fn, args, kwargs)
+            program = Program(self, fn, args, kwargs)
             self._programs[key] = program
         return program
 
@@ -604,7 +250,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             gradients = [
                 a
                 for a in tf.nest.flatten((args, kwargs))
-                if isinstance(_as_dependency(a), tf.Tensor) and a.shape == var.shape
+                if isinstance(as_dependency(a), tf.Tensor) and a.shape == var.shape
             ]
             if not gradients:
                 # No gradient yet (Keras applies weight decay before the
@@ -701,7 +347,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         return True
 
     @property
-    def _global_batch_size(self):
+    def _globalbatch_size(self):
         return True
 
 

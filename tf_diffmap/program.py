@@ -1,0 +1,213 @@
+"""A traced replica step and how it is fed: dispatch, shards, outputs.
+
+`Program` traces the function Keras hands to `strategy.run` once per replica
+device, in a helper thread, and builds what Keras' graph runs: for a training
+step a dispatch op that queues one shard per replica and returns recent
+outputs; for any other step a synchronous call on the first replica device.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING, Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+from tf_diffmap.step import StepState, tracing_step
+
+if TYPE_CHECKING:
+    from tf_diffmap.strategy import _AsyncExtended
+
+__all__ = ["Program", "batch_size", "is_tensor"]
+
+
+def batch_size(tensors) -> tf.Tensor | None:
+    """Examples in a shard: the leading dimension of its first batched tensor."""
+    for tensor in tensors:
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank:
+            return tf.shape(tensor, out_type=tf.int64)[0]
+    return None
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
+
+
+class Program:
+    """One traced replica step and how to feed it."""
+
+    def __init__(self, extended: _AsyncExtended, fn, args, kwargs):
+        self.extended = extended
+        self.structure = (args, kwargs)
+        leaves = tf.nest.flatten(self.structure)
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if is_tensor(leaf)]
+        self.static_leaves = list(leaves)
+        specs = []
+        for i in self.tensor_positions:
+            leaf = leaves[i]
+            if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+                raise ValueError(
+                    "tf_diffmap.Strategy splits batches of dense tensors into "
+                    f"shards, received a {type(leaf).__name__}. Make it dense in the "
+                    "input pipeline (`tf.sparse.to_dense(t)` for a SparseTensor, "
+                    "`t.to_tensor()` for a RaggedTensor)."
+                )
+            leaf = tf.convert_to_tensor(leaf)
+            shape = leaf.shape
+            if shape.rank:
+                shape = tf.TensorShape([None]).concatenate(shape[1:])
+            specs.append(tf.TensorSpec(shape, leaf.dtype))
+            self.static_leaves[i] = None
+        self.specs = specs
+        self.trains = False
+        self.latest: list | None = None
+        self._trace(fn)
+
+    def _pack(self, tensors):
+        leaves = list(self.static_leaves)
+        for i, tensor in zip(self.tensor_positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(self.structure, leaves)
+
+    def _trace(self, fn) -> None:
+        extended = self.extended
+        strategy = extended._container_strategy()
+        install_summary_state = _tf_internal.capture_summary_state()
+        dtype_policy = keras.config.dtype_policy()
+        result: dict[str, Any] = {}
+
+        def make_replica_step(device):
+            def step_on_device(replica_id, *tensors):
+                args, kwargs = self._pack(tensors)
+                with (
+                    tf.device(device),
+                    tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
+                ):
+                    state = StepState(extended._store, replica_id, batch_size(tensors))
+                    with tracing_step(state):
+                        with tf.control_dependencies([state.read_version]):
+                            outputs = fn(*args, **kwargs)
+                        state.finish(outputs)
+                    # Claims this replica has made in all (read after this
+                    # step's records): a claim inside a branch may not run.
+                    claims = extended._store.claims_of(replica_id)
+                result.setdefault("trains", state.claimed)
+                return outputs, claims
+
+            return step_on_device
+
+        def trace():
+            try:
+                install_summary_state()
+                keras.config.set_dtype_policy(dtype_policy)
+                with strategy.scope():
+                    for device in dict.fromkeys(extended.replica_devices):
+                        function = tf.function(make_replica_step(device), autograph=False)
+                        self.concretes[device] = function.get_concrete_function(
+                            tf.TensorSpec([], tf.int32), *self.specs
+                        )
+                        if not result["trains"]:
+                            break  # A synchronous step runs on the first device only.
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                result["error"] = error
+
+        self.concretes: dict[str, Any] = {}
+        thread = threading.Thread(target=trace, name="tf_diffmap-trace")
+        thread.start()
+        thread.join()
+        if "error" in result:
+            error = result["error"]
+            if isinstance(error, RuntimeError) and "Mixing different tf.distribute" in str(error):
+                raise RuntimeError(
+                    f"{error} -- an object used in the step (usually the "
+                    "optimizer) was created outside `strategy.scope()`. Create "
+                    "it inside the scope, for example `with strategy.scope(): "
+                    "model.compile(optimizer=keras.optimizers.SGD(...), ...)`."
+                ) from error
+            raise error
+        self.concrete = self.concretes[extended.replica_devices[0]]
+        self.trains = result["trains"]
+        outputs, _ = self.concrete.structured_outputs
+        self.output_structure = outputs
+        out_leaves = tf.nest.flatten(outputs)
+        self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
+        self.output_specs = [
+            tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions
+        ]
+        self.static_outputs = [None if isinstance(o, tf.Tensor) else o for o in out_leaves]
+
+    def _pack_outputs(self, tensors):
+        leaves = list(self.static_outputs)
+        for i, tensor in zip(self.output_positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(self.output_structure, leaves)
+
+    # -- in Keras' graph --------------------------------------------------
+
+    def call_in_graph(self, args, kwargs):
+        """A synchronous step: drain, then run on the first replica device."""
+        leaves = tf.nest.flatten((args, kwargs))
+        tensors = [leaves[i] for i in self.tensor_positions]
+        drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
+        with tf.control_dependencies([drained]):
+            outputs, _ = self.concrete(tf.constant(0, tf.int32), *tensors)
+        return outputs
+
+    def dispatch_in_graph(self, args, kwargs):
+        """An asynchronous step: queue the shards, return recent outputs."""
+        leaves = tf.nest.flatten((args, kwargs))
+        tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
+        flat = tf.py_function(
+            self._dispatch,
+            tensors,
+            [s.dtype for s in self.output_specs],
+            name="tf_diffmap_dispatch",
+        )
+        if not isinstance(flat, (list, tuple)):
+            flat = [flat]
+        for tensor, spec in zip(flat, self.output_specs):
+            tensor.set_shape(spec.shape)
+        return self._pack_outputs(flat)
+
+    # -- in the dispatch op (eager, on a TensorFlow thread) -----------------
+
+    def _drain(self):
+        self.extended._pool.wait_for(lambda: self.extended._pool.in_flight == 0)
+        return True
+
+    def _dispatch(self, *tensors):
+        pool = self.extended._pool
+        shards = self.extended.split(tensors)
+        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
+        if pool.submit(tasks):
+            pool.wait_for(lambda: self.latest is not None)
+        return self.latest if self.latest is not None else self._placeholder_outputs()
+
+    def _placeholder_outputs(self):
+        # Only returned after a replica failed: the caller's thread raises that
+        # error at its next step, so these values are never reported.
+        return [
+            tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
+            for s in self.output_specs
+        ]
+
+    # -- in a worker thread ---------------------------------------------------
+
+    def _run_shard(self, shard, replica_id: int) -> None:
+        concrete = self.concretes[self.extended.replica_devices[replica_id]]
+        try:
+            outputs, claims = concrete(tf.constant(replica_id, tf.int32), *shard)
+        except BaseException:
+            # Whether it claimed a version is unknown: count again once idle.
+            self.extended._resync_completed = True
+            raise
+        # The step has finished writing: later reads see its update (a step
+        # whose update was skipped, e.g. for non-finite gradients, claimed none).
+        self.extended._complete_claims(replica_id, int(claims))
+        flat = tf.nest.flatten(outputs)
+        self.latest = [flat[i] for i in self.output_positions]
