@@ -1,0 +1,24 @@
+"""Benchmarks of `tf_diffmap` against the strategies a Keras user would pick instead.
+
+Run the suite with `python -m benchmarks` (add `--quick` for a run of a few
+minutes); it writes `results.json`, `results.md` and PNG plots to
+`benchmarks/results/` (or `--out DIR`).
+
+Each contender configuration runs in its own subprocess (`benchmarks.worker`),
+because logical CPU devices can only be made before TensorFlow initializes;
+the parent (`benchmarks.suite`) interleaves the contenders across repeats and
+reports medians. Modules:
+
+- `plan`: what a full, quick or smoke run measures (presets, one place);
+- `workloads`: data sets and models, shared by Keras 3 and tf-keras;
+- `contenders`: the strategies compared, and how each is built;
+- `worker`: runs one session (one contender, one device count) and prints JSON;
+- `suite`: the command line, calibration, interleaved repeats;
+- `report`: medians, the issue's targets, `results.md`;
+- `plots`: the PNG figures.
+
+Nothing in this package is imported by `tf_diffmap` itself, and importing
+`benchmarks` does not import TensorFlow.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,176 @@
+"""The contenders: what a Keras user would train with instead of `tf_diffmap`.
+
+`CONTENDERS` describes them for the parent process (labels, which Python runs
+them); `Runtime` builds one inside a worker process, after the logical devices
+are made. Each contender gets the same logical CPU devices, the same model, the
+same data and the same global batch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from types import ModuleType
+from typing import Any
+
+__all__ = ["CONTENDERS", "Contender", "Runtime", "label"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One contender.
+
+    Attributes:
+        name: its key in configurations and results.
+        label: how tables and plots name it.
+        legacy: runs under tf-keras (`TF_USE_LEGACY_KERAS=1`) in the Python
+            given by `--tf-keras-python`, not under Keras 3.
+        asynchronous: a `tf_diffmap.Strategy` (reports staleness).
+    """
+
+    name: str
+    label: str
+    legacy: bool = False
+    asynchronous: bool = False
+
+
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("plain_keras", "plain Keras"),
+        Contender("mirrored", "MirroredStrategy"),
+        Contender("tf_diffmap", "tf_diffmap", asynchronous=True),
+        Contender("tf_diffmap_bounded", "tf_diffmap bounded", asynchronous=True),
+        Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
+    )
+}
+
+
+def label(name: str, max_staleness: int | None = None) -> str:
+    """The display name of a contender."""
+    if name == "tf_diffmap_bounded" and max_staleness is not None:
+        return f"tf_diffmap max_staleness={max_staleness}"
+    return CONTENDERS[name].label
+
+
+class Runtime:
+    """A contender inside a worker process: TensorFlow, Keras and the strategy.
+
+    Creating it makes the logical CPU devices, so it must come before anything
+    else touches TensorFlow in the process.
+
+    Args:
+        contender: a key of `CONTENDERS`.
+        replicas: logical CPU devices to make (and replicas to run); plain
+            Keras uses the first device only.
+        max_staleness: the bound of `tf_diffmap_bounded`.
+        mirrored_reduce: `"one_device"` (`ReductionToOneDevice`, the faster
+            on this 2-core host) or `"collective"` (MirroredStrategy's own
+            choice on CPUs in TF 2.21).
+    """
+
+    def __init__(
+        self,
+        contender: str,
+        replicas: int,
+        max_staleness: int | None = None,
+        mirrored_reduce: str = "one_device",
+    ):
+        if contender not in CONTENDERS:
+            raise ValueError(
+                f"Unknown contender {contender!r}; expected one of {list(CONTENDERS)}."
+            )
+        self.name = contender
+        self.replicas = replicas
+        self.legacy = CONTENDERS[contender].legacy
+        self.max_staleness = max_staleness
+        self.mirrored_reduce = mirrored_reduce
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if self.legacy:
+            os.environ["TF_USE_LEGACY_KERAS"] = "1"
+            import tensorflow as tf
+
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)]
+            )
+            self.keras: ModuleType = tf.keras
+            import tf_keras
+
+            self.keras_version = f"tf-keras {tf_keras.__version__}"
+        else:
+            import tf_diffmap
+
+            tf_diffmap.split_devices(replicas, "CPU")
+            import keras
+            import tensorflow as tf
+
+            self.keras = keras
+            self.keras_version = f"Keras {keras.__version__}"
+            self.tf_diffmap_version = tf_diffmap.__version__
+        self.tf = tf
+        self.devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
+        self.strategy = self._make_strategy()
+
+    def _make_strategy(self):
+        tf = self.tf
+        if self.name == "plain_keras":
+            return None
+        if self.name == "mirrored":
+            if self.mirrored_reduce == "one_device":
+                ops = tf.distribute.ReductionToOneDevice()
+            elif self.mirrored_reduce == "collective":
+                ops = None  # MirroredStrategy picks collective all-reduce on CPUs.
+            else:
+                raise ValueError(
+                    f"mirrored_reduce must be 'collective' or 'one_device', "
+                    f"received {self.mirrored_reduce!r}."
+                )
+            return tf.distribute.MirroredStrategy(self.devices, cross_device_ops=ops)
+        if self.name == "central_storage":
+            return tf.distribute.experimental.CentralStorageStrategy(
+                compute_devices=self.devices, parameter_device=self.devices[0]
+            )
+        import tf_diffmap
+
+        if self.name == "tf_diffmap":
+            return tf_diffmap.Strategy(devices=self.devices)
+        return tf_diffmap.Strategy(devices=self.devices, max_staleness=self.max_staleness)
+
+    def scope(self):
+        """The strategy's scope (a no-op for plain Keras)."""
+        if self.strategy is None:
+            return contextlib.nullcontext()
+        return self.strategy.scope()
+
+    @property
+    def asynchronous(self) -> bool:
+        return CONTENDERS[self.name].asynchronous
+
+    def optimizer(self, learning_rate: float, rule: str | None = None, drop_above=None):
+        """Adam, wrapped in `tf_diffmap.AsyncOptimizer` when a rule is given."""
+        adam = self.keras.optimizers.Adam(learning_rate)
+        if rule is None:
+            return adam
+        if not self.asynchronous:
+            raise ValueError(f"Staleness rule {rule!r} needs a tf_diffmap contender.")
+        import tf_diffmap
+
+        return tf_diffmap.AsyncOptimizer(adam, staleness=rule, drop_above=drop_above)
+
+    def statistics(self) -> dict[str, Any] | None:
+        """The store's staleness statistics, for tf_diffmap contenders."""
+        if not self.asynchronous:
+            return None
+        # Read after `reset_statistics()`, so every counter covers one task.
+        return self.strategy.statistics().as_dict()
+
+    def reset_statistics(self) -> None:
+        if self.asynchronous:
+            self.strategy.reset_statistics()
+
+    def replica_steps(self) -> list[int] | None:
+        if not self.asynchronous:
+            return None
+        return list(self.strategy.replica_steps())

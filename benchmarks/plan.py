@@ -1,0 +1,251 @@
+"""What a run measures: the full, quick and smoke presets, and the sessions they make.
+
+A *session* is one subprocess: one contender on one number of logical CPU
+devices, running a list of tasks (see `benchmarks.worker`). The suite runs
+every session of a plan once per repeat, in the same order each round, so
+that the contenders alternate (A B C A B C ...) and slow drifts of a shared
+machine fall on all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["Plan", "PRESETS", "sessions", "steps_per_epoch", "timed_task"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Settings of one benchmark run.
+
+    Attributes:
+        name: the preset's name.
+        repeats: rounds; every session runs once per round and the report
+            takes medians over rounds.
+        contenders: which contenders run (a subset of `CONTENDERS`).
+        replicas: device counts of the throughput workload (1 is also the
+            overhead workload).
+        one_device_contenders: the contenders run on 1 device (None: all). By
+            default plain Keras and tf_diffmap (the overhead): on one device
+            the synchronous strategies have nothing to synchronize, and plain
+            Keras is their one-replica reference.
+        models: models of the throughput workload.
+        numpy_input_replicas: device counts where the MLP's throughput is also
+            measured with NumPy arrays given to `fit` (Keras then makes a new
+            input iterator every epoch, which a multi-device strategy pays for).
+        straggler_replicas: device counts of the straggler workload.
+        slowdowns: how many times slower replica 0 is made (1 = no straggler,
+            always measured as the reference).
+        straggler_model: the model of the straggler workload.
+        accuracy_replicas: device count of the time-to-accuracy workload.
+        accuracy_slowdown: the straggler's slowdown there.
+        accuracy_epochs: the fixed budget, in epochs over digits' training set.
+        accuracy_rules: `AsyncOptimizer` rules run under `tf_diffmap`.
+        accuracy_references: also run MirroredStrategy and tf_diffmap without
+            the straggler.
+        accuracy_contenders: the contenders of that workload (None: all).
+        accuracy_targets: validation accuracies to time.
+        batch_size: the global batch size, the same for every contender.
+        learning_rate: Adam's learning rate, the same for every contender.
+        examples_per_epoch: per model, the synthetic examples of one epoch.
+        min_epochs: a timed window lasts at least this many epochs...
+        min_seconds: ... and at least this many seconds.
+        max_staleness: the bound of the bounded tf_diffmap contender.
+        drop_above: the bound of the "drop" rule.
+        step_seconds: the straggler's unit of delay: None measures it (one
+            MirroredStrategy step per device count, before the rounds);
+            a number skips that calibration.
+        seed: seeds data, weights and shuffling.
+    """
+
+    name: str
+    repeats: int
+    contenders: tuple[str, ...] = (
+        "plain_keras",
+        "mirrored",
+        "tf_diffmap",
+        "tf_diffmap_bounded",
+        "central_storage",
+    )
+    replicas: tuple[int, ...] = (1, 2, 4)
+    one_device_contenders: tuple[str, ...] | None = ("plain_keras", "tf_diffmap")
+    models: tuple[str, ...] = ("mlp", "cnn")
+    numpy_input_replicas: tuple[int, ...] = (1, 4)
+    straggler_replicas: tuple[int, ...] = (2, 4)
+    slowdowns: tuple[int, ...] = (1, 2, 4)
+    straggler_model: str = "mlp"
+    accuracy_replicas: int = 4
+    accuracy_slowdown: int = 4
+    accuracy_epochs: int = 16
+    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")
+    accuracy_references: bool = True
+    accuracy_contenders: tuple[str, ...] | None = None
+    accuracy_targets: tuple[float, ...] = (0.95, 0.97)
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    examples_per_epoch: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"mlp": 2048, "cnn": 2048}
+    )
+    min_epochs: int = 3
+    min_seconds: float = 2.0
+    max_staleness: int = 4
+    drop_above: int = 8
+    step_seconds: float | None = None
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS = {
+    # About 20 minutes on a 2-core host.
+    "full": Plan(name="full", repeats=3),
+    # About 5 minutes: 4 replicas (and 1 for the overhead), MLP only, tf.data
+    # input only, 2 repeats.
+    "quick": Plan(
+        name="quick",
+        repeats=2,
+        replicas=(1, 4),
+        models=("mlp",),
+        numpy_input_replicas=(),
+        straggler_replicas=(4,),
+        slowdowns=(1, 4),
+        accuracy_epochs=12,
+        accuracy_rules=("none", "inverse", "dc", "drop"),
+        accuracy_references=False,
+        accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap"),
+        min_epochs=3,
+        min_seconds=1.0,
+    ),
+    # Two sessions of seconds each, for the test suite: its numbers mean nothing.
+    "smoke": Plan(
+        name="smoke",
+        repeats=1,
+        contenders=("plain_keras", "tf_diffmap"),
+        replicas=(1,),
+        one_device_contenders=("plain_keras",),
+        models=("mlp",),
+        numpy_input_replicas=(),
+        straggler_replicas=(2,),
+        slowdowns=(1, 2),
+        accuracy_replicas=2,
+        accuracy_slowdown=2,
+        accuracy_epochs=1,
+        accuracy_rules=(),
+        accuracy_references=False,
+        examples_per_epoch={"mlp": 512, "cnn": 256},
+        min_epochs=1,
+        min_seconds=0.0,
+        step_seconds=0.002,
+    ),
+}
+
+
+def steps_per_epoch(plan: Plan, model: str) -> int:
+    return math.ceil(plan.examples_per_epoch[model] / plan.batch_size)
+
+
+def timed_task(plan: Plan, model: str) -> dict[str, Any]:
+    """The settings every timed window of `model` shares."""
+    return {
+        "model": model,
+        "batch_size": plan.batch_size,
+        "learning_rate": plan.learning_rate,
+        "examples_per_epoch": plan.examples_per_epoch[model],
+        "min_epochs": plan.min_epochs,
+        "min_seconds": plan.min_seconds,
+    }
+
+
+def _accuracy(plan: Plan, delay: float, rule: str | None, straggler: bool) -> dict[str, Any]:
+    return {
+        "kind": "accuracy",
+        "batch_size": plan.batch_size,
+        "learning_rate": plan.learning_rate,
+        "epochs": plan.accuracy_epochs,
+        "targets": list(plan.accuracy_targets),
+        "rule": rule,
+        "drop_above": plan.drop_above if rule == "drop" else None,
+        "delay": delay if straggler else 0.0,
+        "straggler": straggler,
+    }
+
+
+def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, Any]]:
+    """The sessions of one round, grouped by device count.
+
+    Args:
+        plan: the plan.
+        delays: per device count, per slowdown k, replica 0's sleep per step
+            in seconds (from the calibration).
+
+    Returns:
+        Session configurations for `benchmarks.worker`, in running order.
+    """
+    counts = set(plan.replicas) | set(plan.straggler_replicas) | {plan.accuracy_replicas}
+    if "plain_keras" in plan.contenders:
+        counts.add(1)  # its time-to-accuracy reference
+    out = []
+    for replicas in sorted(counts):
+        for contender in plan.contenders:
+            if contender == "plain_keras" and replicas != 1:
+                continue
+            if replicas == 1 and contender == "tf_diffmap_bounded":
+                continue
+            if (
+                replicas == 1
+                and plan.one_device_contenders is not None
+                and contender not in plan.one_device_contenders
+            ):
+                continue
+            tasks: list[dict[str, Any]] = []
+            if replicas in plan.replicas:
+                tasks += [{"kind": "throughput", **timed_task(plan, m)} for m in plan.models]
+            if replicas in plan.numpy_input_replicas and "mlp" in plan.models:
+                tasks.append({"kind": "throughput", **timed_task(plan, "mlp"), "input": "numpy"})
+            if replicas in plan.straggler_replicas and replicas in delays:
+                tasks.append(
+                    {
+                        "kind": "straggler",
+                        **timed_task(plan, plan.straggler_model),
+                        "delays": {str(k): delays[replicas][k] for k in plan.slowdowns},
+                    }
+                )
+            tasks += _accuracy_tasks(plan, contender, replicas, delays)
+            if tasks:
+                out.append(
+                    {
+                        "contender": contender,
+                        "replicas": replicas,
+                        "max_staleness": plan.max_staleness
+                        if contender == "tf_diffmap_bounded"
+                        else None,
+                        "seed": plan.seed,
+                        "tasks": tasks,
+                    }
+                )
+    return out
+
+
+def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:
+    if plan.accuracy_contenders is not None and contender not in plan.accuracy_contenders:
+        return []
+    if contender == "plain_keras":
+        # The single-device reference, without a straggler.
+        return [_accuracy(plan, 0.0, None, False)] if replicas == 1 else []
+    if replicas != plan.accuracy_replicas or replicas not in delays:
+        return []
+    delay = delays[replicas][plan.accuracy_slowdown]
+    if contender == "tf_diffmap":
+        tasks = [_accuracy(plan, delay, rule, True) for rule in plan.accuracy_rules]
+        if plan.accuracy_references:
+            tasks.append(_accuracy(plan, delay, "none", False))
+        return tasks
+    if contender == "tf_diffmap_bounded":
+        return [_accuracy(plan, delay, "none", True)]
+    tasks = [_accuracy(plan, delay, None, True)]
+    if contender == "mirrored" and plan.accuracy_references:
+        tasks.append(_accuracy(plan, delay, None, False))
+    return tasks

@@ -1,0 +1,755 @@
+"""From raw session results to medians, the issue's targets and `results.md`.
+
+Every figure in the report is a median over the repeats of a run (with the
+smallest and largest value beside it); ratios are ratios of medians. Targets
+are reported, never asserted: each row says what was measured, the target,
+and whether it was met.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from benchmarks.contenders import CONTENDERS, label
+from benchmarks.workloads import MODELS
+
+__all__ = ["build", "markdown", "TARGETS"]
+
+SCHEMA = 1
+
+# (key, description, comparison, threshold)
+TARGETS = (
+    ("overhead", "Overhead, 1 replica: tf_diffmap / plain Keras throughput", ">=", 1.0),
+    (
+        "even_vs_mirrored",
+        "Even replicas, 4 replicas: tf_diffmap / MirroredStrategy throughput",
+        ">=",
+        3.0,
+    ),
+    (
+        "even_vs_central",
+        "Even replicas, 4 replicas: tf_diffmap / CentralStorageStrategy (tf-keras) throughput",
+        ">=",
+        1.0,
+    ),
+    (
+        "straggler_vs_mirrored",
+        "Straggler (4 replicas, one 4x slower): tf_diffmap / MirroredStrategy throughput",
+        ">=",
+        5.0,
+    ),
+    (
+        "straggler_retention",
+        "Straggler (4 replicas, one 4x slower): tf_diffmap / its own no-straggler throughput",
+        ">=",
+        0.85,
+    ),
+    (
+        "tta_vs_mirrored",
+        "Time to 97% on digits with a straggler: tf_diffmap / MirroredStrategy",
+        "<=",
+        0.5,
+    ),
+    (
+        "final_accuracy_gap",
+        "Final accuracy on digits with a straggler: tf_diffmap minus MirroredStrategy, in points",
+        ">=",
+        -0.5,
+    ),
+)
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _spread(values) -> dict[str, Any]:
+    values = [v for v in values if v is not None]
+    return {
+        "median": _median(values),
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+        "values": values,
+    }
+
+
+def _tasks(runs, kind: str) -> Iterator[tuple[dict, dict, dict]]:
+    """(session result, task, task result) of every successful task of a kind."""
+    for run in runs:
+        session = run["result"]
+        for entry in session.get("tasks", []):
+            if entry["task"]["kind"] == kind and entry["result"].get("status") == "ok":
+                yield session, entry["task"], entry["result"]
+
+
+def _errors(runs) -> list[dict[str, Any]]:
+    out = []
+    for run in runs:
+        session = run["result"]
+        where = {
+            "round": run["round"] + 1,
+            "contender": run["config"]["contender"],
+            "replicas": run["config"]["replicas"],
+        }
+        if session.get("status") != "ok":
+            out.append(
+                {
+                    **where,
+                    "task": None,
+                    "error": session.get("error"),
+                    "detail": session.get("stderr_tail") or session.get("traceback"),
+                }
+            )
+            continue
+        for entry in session.get("tasks", []):
+            if entry["result"].get("status") != "ok":
+                out.append(
+                    {
+                        **where,
+                        "task": entry["task"]["kind"],
+                        "error": entry["result"].get("error"),
+                        "detail": entry["result"].get("traceback"),
+                    }
+                )
+    return out
+
+
+def _share0(result) -> float | None:
+    steps = result.get("replica_steps")
+    if not steps or not sum(steps):
+        return None
+    return steps[0] / sum(steps)
+
+
+def _throughput(runs, max_staleness) -> list[dict[str, Any]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for session, task, result in _tasks(runs, "throughput"):
+        key = (
+            task["model"],
+            task.get("input", "dataset"),
+            session["replicas"],
+            session["contender"],
+        )
+        groups[key].append(result)
+    rows = []
+    for (model, input_, replicas, contender), results in sorted(groups.items()):
+        rows.append(
+            {
+                "model": model,
+                "input": input_,
+                "replicas": replicas,
+                "contender": contender,
+                "label": label(contender, max_staleness),
+                "examples_per_second": _spread(r["examples_per_second"] for r in results),
+                "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
+                "warmup_seconds": _median(r["warmup_seconds"] for r in results),
+                "mean_staleness": _median(
+                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
+                ),
+                "runs": len(results),
+            }
+        )
+    return rows
+
+
+def _straggler(runs, max_staleness) -> list[dict[str, Any]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for session, _, result in _tasks(runs, "straggler"):
+        for slowdown, window in result["windows"].items():
+            groups[(session["replicas"], session["contender"], int(slowdown))].append(window)
+    rows = []
+    for (replicas, contender, slowdown), windows in sorted(groups.items()):
+        base = groups.get((replicas, contender, 1))
+        eps = _spread(w["examples_per_second"] for w in windows)
+        base_eps = _median(w["examples_per_second"] for w in base) if base else None
+        rows.append(
+            {
+                "replicas": replicas,
+                "contender": contender,
+                "label": label(contender, max_staleness),
+                "slowdown": slowdown,
+                "delay_seconds": _median(w["delay_seconds"] for w in windows),
+                "examples_per_second": eps,
+                "epoch_seconds": _spread(w["median_epoch_seconds"] for w in windows),
+                "retention": eps["median"] / base_eps if base_eps and eps["median"] else None,
+                "replica0_share": _median(_share0(w) for w in windows),
+                "mean_staleness": _median(
+                    (w.get("staleness") or {}).get("overall_mean_staleness") for w in windows
+                ),
+                "runs": len(windows),
+            }
+        )
+    return rows
+
+
+def _reached_median(values: list[float | None]) -> float | None:
+    """Median where a run that never reached the target counts as infinitely slow."""
+    if not values:
+        return None
+    ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+    if any(v is None for v in middle):
+        return None
+    return sum(middle) / len(middle)
+
+
+def _accuracy(runs, max_staleness) -> list[dict[str, Any]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for session, task, result in _tasks(runs, "accuracy"):
+        key = (
+            session["contender"],
+            session["replicas"],
+            task.get("rule"),
+            bool(task.get("straggler")),
+        )
+        groups[key].append({**result, "_task": task})
+    rows = []
+    for (contender, replicas, rule, straggler), results in groups.items():
+        targets = [str(t) for t in results[0]["_task"]["targets"]]
+        stale = [r.get("staleness") or {} for r in results]
+        updates = [sum(s.get("updates", [])) for s in stale]
+        dropped = [sum(s.get("dropped", [])) for s in stale]
+        rows.append(
+            {
+                "contender": contender,
+                "label": label(contender, max_staleness),
+                "replicas": replicas,
+                "rule": rule,
+                "drop_above": results[0]["_task"].get("drop_above"),
+                "straggler": straggler,
+                "delay_seconds": results[0]["_task"].get("delay"),
+                "epochs": results[0]["_task"]["epochs"],
+                "seconds_to": {
+                    t: _reached_median([r["seconds_to"].get(t) for r in results]) for t in targets
+                },
+                "epochs_to": {
+                    t: _reached_median([r["epochs_to"].get(t) for r in results]) for t in targets
+                },
+                "reached": {
+                    t: sum(r["seconds_to"].get(t) is not None for r in results) for t in targets
+                },
+                "final_accuracy": _spread(r["final_accuracy"] for r in results),
+                "best_accuracy": _median(r["best_accuracy"] for r in results),
+                "train_seconds": _median(r["train_seconds"] for r in results),
+                "mean_staleness": _median(s.get("overall_mean_staleness") for s in stale),
+                "max_staleness": max(
+                    (s.get("overall_max_staleness") for s in stale if s), default=None
+                ),
+                "dropped_fraction": (sum(dropped) / (sum(updates) + sum(dropped)))
+                if stale[0] and (sum(updates) + sum(dropped))
+                else None,
+                "replica0_share": _median(_share0(r) for r in results),
+                "histories": [r["history"] for r in results],
+                "runs": len(results),
+            }
+        )
+    order = {name: i for i, name in enumerate(CONTENDERS)}
+    rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}
+    rows.sort(key=lambda r: (not r["straggler"], order[r["contender"]], rules.get(r["rule"], 9)))
+    return rows
+
+
+def _memory(runs, max_staleness) -> list[dict[str, Any]]:
+    groups: dict[tuple, list[tuple]] = defaultdict(list)
+    for run in runs:
+        session = run["result"]
+        if session.get("status") != "ok":
+            continue
+        first = (session.get("tasks") or [None])[0]
+        after_first = None
+        if (
+            first
+            and first["task"]["kind"] == "throughput"
+            and first["task"]["model"] == "mlp"
+            and first["task"].get("input", "dataset") == "dataset"
+        ):
+            after_first = first["result"].get("peak_rss_mb")
+        groups[(session["contender"], session["replicas"])].append(
+            (after_first, session.get("peak_rss_mb"))
+        )
+    rows = []
+    for (contender, replicas), values in sorted(groups.items()):
+        rows.append(
+            {
+                "contender": contender,
+                "label": label(contender, max_staleness),
+                "replicas": replicas,
+                "peak_rss_mb_mlp": _median(v[0] for v in values),
+                "peak_rss_mb_session": _median(v[1] for v in values),
+                "runs": len(values),
+            }
+        )
+    return rows
+
+
+def _find(rows, **match):
+    for row in rows:
+        if all(row.get(k) == v for k, v in match.items()):
+            return row
+    return None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _targets(plan, throughput, straggler, accuracy, tf_keras) -> list[dict[str, Any]]:
+    out = []
+    described = {key: (text, op, value) for key, text, op, value in TARGETS}
+
+    def add(key, measured, note="", model=None, unit="x", input_="dataset"):
+        text, op, value = described[key]
+        if model:
+            kind = MODELS[model]["description"].split(" ")[0]
+            text += f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})"
+        met = None
+        if measured is not None:
+            met = measured >= value if op == ">=" else measured <= value
+        out.append(
+            {
+                "key": key,
+                "model": model,
+                "input": input_,
+                "description": text,
+                "measured": measured,
+                "comparison": op,
+                "target": value,
+                "unit": unit,
+                "met": met,
+                "note": note,
+            }
+        )
+
+    def eps(model, replicas, contender, input_="dataset"):
+        row = _find(throughput, model=model, replicas=replicas, contender=contender, input=input_)
+        return row["examples_per_second"]["median"] if row else None
+
+    numpy = "mlp" in plan.models and bool(plan.numpy_input_replicas)
+    for model in plan.models:
+        add(
+            "overhead",
+            _ratio(eps(model, 1, "tf_diffmap"), eps(model, 1, "plain_keras")),
+            model=model,
+        )
+    if numpy:
+        add(
+            "overhead",
+            _ratio(eps("mlp", 1, "tf_diffmap", "numpy"), eps("mlp", 1, "plain_keras", "numpy")),
+            model="mlp",
+            input_="numpy",
+        )
+    for model in plan.models:
+        add(
+            "even_vs_mirrored",
+            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "mirrored")),
+            model=model,
+        )
+    if numpy:
+        add(
+            "even_vs_mirrored",
+            _ratio(eps("mlp", 4, "tf_diffmap", "numpy"), eps("mlp", 4, "mirrored", "numpy")),
+            model="mlp",
+            input_="numpy",
+            note="Keras 3 rebuilds MirroredStrategy's distributed iterator every epoch",
+        )
+    for model in plan.models:
+        note = "" if tf_keras.get("available") else "tf-keras not available (see above)"
+        add(
+            "even_vs_central",
+            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "central_storage")),
+            note=note,
+            model=model,
+        )
+
+    def straggled(contender, slowdown):
+        row = _find(straggler, replicas=4, contender=contender, slowdown=slowdown)
+        return row["examples_per_second"]["median"] if row else None
+
+    add("straggler_vs_mirrored", _ratio(straggled("tf_diffmap", 4), straggled("mirrored", 4)))
+    add(
+        "straggler_retention",
+        _ratio(straggled("tf_diffmap", 4), straggled("tf_diffmap", 1)),
+        note="no-straggler reference: the same model and delay layer with a 0 s delay",
+    )
+    ours = _find(accuracy, contender="tf_diffmap", rule="none", straggler=True)
+    theirs = _find(accuracy, contender="mirrored", rule=None, straggler=True)
+    top = str(max(plan.accuracy_targets))
+    note = ""
+    if ours and theirs:
+        if theirs["seconds_to"].get(top) is None:
+            note = (
+                f"MirroredStrategy did not reach {float(top):.0%} within "
+                f"{theirs['epochs']} epochs in most runs"
+            )
+        elif ours["seconds_to"].get(top) is None:
+            note = f"tf_diffmap did not reach {float(top):.0%} in most runs"
+    add(
+        "tta_vs_mirrored",
+        _ratio(
+            ours["seconds_to"].get(top) if ours else None,
+            theirs["seconds_to"].get(top) if theirs else None,
+        ),
+        note=note or "AsyncOptimizer rule 'none'",
+    )
+    gap = None
+    if (
+        ours
+        and theirs
+        and ours["final_accuracy"]["median"] is not None
+        and theirs["final_accuracy"]["median"] is not None
+    ):
+        gap = 100 * (ours["final_accuracy"]["median"] - theirs["final_accuracy"]["median"])
+    add(
+        "final_accuracy_gap",
+        gap,
+        unit=" points",
+        note="read as: not more than half a point below MirroredStrategy",
+    )
+    return out
+
+
+def build(
+    *,
+    plan,
+    runs,
+    calibration,
+    machine,
+    tf_keras,
+    command,
+    mirrored_reduce,
+    inter_op_threads=None,
+    seconds,
+):
+    """The results document (what `results.json` holds)."""
+    versions = next(
+        (
+            {
+                "tensorflow": r["result"].get("tensorflow_version"),
+                "keras": r["result"].get("keras_version"),
+            }
+            for r in runs
+            if r["result"].get("status") == "ok" and not CONTENDERS[r["config"]["contender"]].legacy
+        ),
+        {},
+    )
+    legacy = next(
+        (
+            r["result"].get("keras_version")
+            for r in runs
+            if r["result"].get("status") == "ok" and CONTENDERS[r["config"]["contender"]].legacy
+        ),
+        None,
+    )
+    throughput = _throughput(runs, plan.max_staleness)
+    straggler = _straggler(runs, plan.max_staleness)
+    accuracy = _accuracy(runs, plan.max_staleness)
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "seconds": seconds,
+        "plan": plan.to_dict(),
+        "machine": machine,
+        "versions": {**versions, "tf_keras": legacy},
+        "tf_keras": tf_keras,
+        "mirrored_reduce": mirrored_reduce,
+        "inter_op_threads": inter_op_threads,
+        "calibration": {str(k): v for k, v in calibration.items()},
+        "throughput": throughput,
+        "straggler": straggler,
+        "accuracy": accuracy,
+        "memory": _memory(runs, plan.max_staleness),
+        "targets": _targets(plan, throughput, straggler, accuracy, tf_keras),
+        "errors": _errors(runs),
+        "sessions": runs,
+    }
+
+
+# -- Markdown -------------------------------------------------------------------
+
+
+def _num(value, digits=0, unit="") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}{unit}"
+
+
+def _cell(spread, digits=0) -> str:
+    if not spread or spread.get("median") is None:
+        return "n/a"
+    if len(spread["values"]) < 2:
+        return _num(spread["median"], digits)
+    return (
+        f"{_num(spread['median'], digits)} "
+        f"({_num(spread['min'], digits)}–{_num(spread['max'], digits)})"
+    )
+
+
+def _contenders_in(rows) -> list[str]:
+    present = {r["contender"] for r in rows}
+    return [c for c in CONTENDERS if c in present]
+
+
+def _targets_table(results) -> list[str]:
+    lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
+    for t in results["targets"]:
+        unit = t["unit"]
+        measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
+        target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:g}{unit}"
+        result = {True: "**met**", False: "**missed**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['description']} | {measured} | {target} | {result} | {t['note']} |")
+    return lines
+
+
+def _throughput_table(results) -> list[str]:
+    rows = results["throughput"]
+    names = _contenders_in(rows)
+    labels = {r["contender"]: r["label"] for r in rows}
+    lines = [
+        "| Model | Replicas | "
+        + " | ".join(labels[c] for c in names)
+        + " | tf_diffmap / Mirrored |",
+        "| --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
+    ]
+    for model, input_ in dict.fromkeys((r["model"], r["input"]) for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["input"] == input_]
+        for replicas in sorted({r["replicas"] for r in mine}):
+            cells = []
+            for c in names:
+                row = _find(mine, replicas=replicas, contender=c)
+                cells.append(_cell(row["examples_per_second"]) if row else "–")
+            ours = _find(mine, replicas=replicas, contender="tf_diffmap")
+            theirs = _find(mine, replicas=replicas, contender="mirrored")
+            ratio = _ratio(
+                ours and ours["examples_per_second"]["median"],
+                theirs and theirs["examples_per_second"]["median"],
+            )
+            name = model.upper() + (", NumPy arrays" if input_ == "numpy" else "")
+            lines.append(
+                f"| {name} | {replicas} | " + " | ".join(cells) + f" | {_num(ratio, 2, 'x')} |"
+            )
+    return lines
+
+
+def _straggler_table(results) -> list[str]:
+    rows = results["straggler"]
+    slowdowns = sorted({r["slowdown"] for r in rows})
+    top = max(slowdowns) if slowdowns else None
+    head = (
+        ["Replicas", "Contender"]
+        + [f"k={k} examples/s" for k in slowdowns]
+        + [f"k={k} s/epoch" for k in slowdowns]
+        + [f"kept at k={top}", f"replica 0 share at k={top}"]
+    )
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for replicas in sorted({r["replicas"] for r in rows}):
+        for c in _contenders_in(rows):
+            found = [_find(rows, replicas=replicas, contender=c, slowdown=k) for k in slowdowns]
+            if not any(found):
+                continue
+            last = found[-1]
+            cells = [str(replicas), found[0]["label"] if found[0] else c]
+            cells += [_cell(f["examples_per_second"]) if f else "–" for f in found]
+            cells += [_num(f["epoch_seconds"]["median"], 2) if f else "–" for f in found]
+            cells.append(_num(last and last["retention"] and 100 * last["retention"], 0, "%"))
+            share = last and last["replica0_share"]
+            cells.append(_num(share and 100 * share, 1, "%") if share is not None else "–")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _accuracy_table(results) -> list[str]:
+    rows = results["accuracy"]
+    if not rows:
+        return ["(not run)"]
+    targets = list(rows[0]["seconds_to"])
+    head = (
+        ["Contender", "Rule", "Straggler"]
+        + [f"s to {float(t):.0%}" for t in targets]
+        + [
+            f"epochs to {float(targets[-1]):.0%}",
+            "final accuracy",
+            "mean / max staleness",
+            "dropped",
+            "replica 0 share",
+            "train s",
+        ]
+    )
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
+    for row in rows:
+        rule = row["rule"] or "–"
+        if row["rule"] == "drop":
+            rule = f"drop (> {row['drop_above']})"
+        cells = [
+            f"{row['label']} ({row['replicas']})",
+            rule,
+            f"replica 0 ×{_slowdown(results, row)}" if row["straggler"] else "none",
+        ]
+        for t in targets:
+            value = row["seconds_to"][t]
+            cells.append(
+                _num(value, 2)
+                if value is not None
+                else f"not reached ({row['reached'][t]}/{row['runs']} runs did)"
+            )
+        cells.append(
+            _num(row["epochs_to"][targets[-1]], 0)
+            if row["epochs_to"][targets[-1]] is not None
+            else "–"
+        )
+        cells.append(_cell(row["final_accuracy"], 4))
+        if row["mean_staleness"] is not None:
+            cells.append(f"{row['mean_staleness']:.2f} / {row['max_staleness']}")
+        else:
+            cells.append("–")
+        cells.append(
+            _num(100 * row["dropped_fraction"], 1, "%")
+            if row["dropped_fraction"] is not None
+            else "–"
+        )
+        cells.append(
+            _num(100 * row["replica0_share"], 1, "%") if row["replica0_share"] is not None else "–"
+        )
+        cells.append(_num(row["train_seconds"], 1))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _slowdown(results, row) -> str:
+    return str(results["plan"]["accuracy_slowdown"])
+
+
+def _memory_table(results) -> list[str]:
+    rows = results["memory"]
+    counts = sorted({r["replicas"] for r in rows})
+    lines = [
+        "| Contender | " + " | ".join(f"{n} replica(s)" for n in counts) + " |",
+        "| --- | " + " | ".join("---" for _ in counts) + " |",
+    ]
+    for c in _contenders_in(rows):
+        cells = []
+        for n in counts:
+            row = _find(rows, contender=c, replicas=n)
+            if row is None:
+                cells.append("–")
+            else:
+                cells.append(
+                    f"{_num(row['peak_rss_mb_mlp'], 0)} / {_num(row['peak_rss_mb_session'], 0)}"
+                )
+        label_ = next(r["label"] for r in rows if r["contender"] == c)
+        lines.append(f"| {label_} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """`results.md`: the run's settings, targets and tables."""
+    plan = results["plan"]
+    machine = results["machine"]
+    versions = results["versions"]
+    tf_keras = results["tf_keras"]
+    calibration = results["calibration"]
+    lines = [
+        "# tf_diffmap benchmarks",
+        "",
+        f"Run {results['created']}, preset `{plan['name']}`, {plan['repeats']} repeat(s), "
+        f"{results['seconds'] / 60:.1f} min in all. Command: `{results['command']}`",
+        "",
+        f"- Machine: {machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
+        f"{machine.get('memory_gib')} GiB, {machine.get('platform')}; load average "
+        f"{_load(machine.get('load_average_start'))} at the start, "
+        f"{_load(machine.get('load_average_end'))} at the end (the host is shared).",
+        f"- TensorFlow {versions.get('tensorflow')}, {versions.get('keras')}; "
+        + (
+            f"CentralStorageStrategy under {versions.get('tf_keras')} "
+            f"(`{tf_keras.get('python')}`, `TF_USE_LEGACY_KERAS=1`)."
+            if tf_keras.get("available") and versions.get("tf_keras")
+            else f"CentralStorageStrategy **not run**: {tf_keras.get('reason')}."
+        ),
+        f"- Replicas are logical CPU devices of one 2-core CPU "
+        "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
+        f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
+        "and devices for every contender; MirroredStrategy with "
+        + (
+            "its default collective all-reduce."
+            if results["mirrored_reduce"] == "collective"
+            else "`cross_device_ops=tf.distribute.ReductionToOneDevice()` (faster here than "
+            "its default collective all-reduce on CPUs)."
+        ),
+        f"- Each contender configuration runs in its own process; the contenders alternate "
+        f"round by round; figures are medians of {plan['repeats']} runs (min–max in "
+        "brackets). A timed window follows a warm-up `fit` that traces the step and lasts "
+        f"at least {plan['min_epochs']} epochs and {plan['min_seconds']:g} s; an epoch is "
+        + ", ".join(
+            f"{n:,} examples ({m.upper()})"
+            for m, n in plan["examples_per_epoch"].items()
+            if m in plan["models"] or m == plan["straggler_model"]
+        )
+        + ", and its time includes the drain at its end.",
+        "- Straggler: replica 0 sleeps (k-1)·t in each training step "
+        "(`tf_diffmap.testing.ReplicaDelay`, keyed on the replica id, so the same replica "
+        "sleeps the same time under every contender), with t the time of one "
+        "MirroredStrategy step without a straggler: "
+        + "; ".join(_calibration_text(n, c) for n, c in calibration.items())
+        + ".",
+        "",
+        "## Targets",
+        "",
+        *_targets_table(results),
+        "",
+        "## Throughput (examples/s, no straggler)",
+        "",
+        *_throughput_table(results),
+        "",
+        "## Straggler (replica 0 k times slower)",
+        "",
+        *_straggler_table(results),
+        "",
+        "Kept: throughput at the largest k over the same contender's k=1 (same model, delay "
+        "layer set to 0 s). Replica 0 share: its fraction of the updates (tf_diffmap only).",
+        "",
+        f"## Time to accuracy (digits, {plan['accuracy_epochs']} epochs)",
+        "",
+        *_accuracy_table(results),
+        "",
+        "Seconds of training (the clock stops while the callback evaluates) until the "
+        "validation accuracy at an epoch's end first reaches the target; medians over runs, "
+        "a run that never reached it counting as slowest. Staleness: versions applied by "
+        "others between a replica's read and its update.",
+        "",
+        "## Peak memory (RSS, MiB, per process)",
+        "",
+        *_memory_table(results),
+        "",
+        "After the MLP throughput task / at the end of the session (which ran more tasks). "
+        "TensorFlow itself takes most of it.",
+        "",
+    ]
+    if results.get("figures"):
+        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in results["figures"]] + [""]
+    if results["errors"]:
+        lines += ["## Errors", ""]
+        for e in results["errors"]:
+            lines.append(
+                f"- round {e['round']}, {e['contender']} on {e['replicas']} device(s)"
+                f"{', task ' + e['task'] if e['task'] else ''}: {e['error']}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _load(values) -> str:
+    return "/".join(f"{v:.1f}" for v in values) if values else "n/a"
+
+
+def _calibration_text(replicas, entry) -> str:
+    if "step_seconds" not in entry:
+        return f"{replicas} replicas: not calibrated ({entry.get('error')})"
+    delays = ", ".join(
+        f"k={k}: {1000 * d:.0f} ms" for k, d in entry["delays"].items() if int(k) > 1
+    )
+    return f"{replicas} replicas t = {1000 * entry['step_seconds']:.1f} ms ({delays})"

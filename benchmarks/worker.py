@@ -1,0 +1,353 @@
+"""One benchmark session: one contender on one number of logical CPU devices.
+
+Run by the suite as a subprocess, since logical devices must be made before
+TensorFlow initializes:
+
+    python -m benchmarks.worker --json-config '{"contender": "mirrored", "replicas": 4,
+        "tasks": [{"kind": "throughput", "model": "mlp", ...}]}'
+
+It runs the session's tasks in order and prints one line, `RESULT_PREFIX`
+followed by the results as JSON, on standard output. A task that fails is
+reported as failed (with the error) and the session goes on with the next.
+
+Tasks:
+
+- `throughput`: examples per second of `fit` on synthetic data, after a
+  warm-up `fit` that traces the step; timed epoch by epoch until both
+  `min_epochs` and `min_seconds` are reached.
+- `straggler`: the same with a `ReplicaDelay` layer that makes replica 0 sleep,
+  timed once per sleep in `delays` (the layer is traced once; only its
+  `seconds` changes between windows).
+- `accuracy`: time to accuracy on scikit-learn's digits: training time (the
+  clock stops while the callback measures) until the validation accuracy at
+  an epoch's end first reaches each target, within a budget of epochs. The
+  accuracy is computed in NumPy from the weights, the same way for everyone.
+
+Every `fit` reads a repeated `tf.data.Dataset` with `steps_per_epoch`
+(`workloads.dataset`), so no contender rebuilds its input iterator per epoch;
+a throughput task with `"input": "numpy"` passes NumPy arrays to `fit`
+instead, as most Keras code does, and then pays for whatever Keras rebuilds
+every epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from benchmarks import workloads  # noqa: E402  (imports no TensorFlow)
+
+__all__ = ["RESULT_PREFIX", "run_session", "main"]
+
+RESULT_PREFIX = "@@benchmark-result@@ "
+
+
+def peak_rss_mb() -> float:
+    """This process' peak resident set size so far, in MiB (Linux: KiB units)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024.0 if sys.platform != "darwin" else peak / 2**20
+
+
+def _callbacks(keras):
+    """The timing callbacks, subclassing the given Keras module's `Callback`."""
+
+    class EpochTimer(keras.callbacks.Callback):
+        """Times each epoch; stops once `min_epochs` and `min_seconds` are both reached.
+
+        The first epoch is timed but not counted: it also pays for `fit`
+        making its iterator (under MirroredStrategy, a distributed one, which
+        takes a large fraction of a second here) and for starting threads.
+        """
+
+        def __init__(self, min_epochs: int, min_seconds: float):
+            super().__init__()
+            self.min_epochs = min_epochs
+            self.min_seconds = min_seconds
+            self.seconds: list[float] = []
+            self.losses: list[float] = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            # Keras reads the epoch's metrics before this hook; under tf_diffmap
+            # that read drains the workers, so the epoch's updates are all in.
+            self.seconds.append(time.perf_counter() - self._start)
+            self.losses.append(float((logs or {}).get("loss", float("nan"))))
+            counted = self.seconds[1:]
+            if len(counted) >= self.min_epochs and sum(counted) >= self.min_seconds:
+                self.model.stop_training = True
+
+    class AccuracyClock(keras.callbacks.Callback):
+        """Training time until the validation accuracy reaches each target."""
+
+        def __init__(self, x_val, y_val, targets):
+            super().__init__()
+            self.x_val, self.y_val = x_val, y_val
+            self.targets = list(targets)
+            self.train_seconds = 0.0
+            self.eval_seconds = 0.0
+            self.history: list[dict[str, float]] = []
+            self.seconds_to: dict[str, float | None] = {str(t): None for t in self.targets}
+            self.epochs_to: dict[str, int | None] = {str(t): None for t in self.targets}
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.train_seconds += time.perf_counter() - self._start
+            start = time.perf_counter()
+            accuracy = workloads.mlp_accuracy(self.model.get_weights(), self.x_val, self.y_val)
+            self.eval_seconds += time.perf_counter() - start
+            self.history.append(
+                {
+                    "epoch": epoch + 1,
+                    "train_seconds": self.train_seconds,
+                    "val_accuracy": accuracy,
+                    "loss": float((logs or {}).get("loss", float("nan"))),
+                }
+            )
+            for target in self.targets:
+                key = str(target)
+                if self.seconds_to[key] is None and accuracy >= target:
+                    self.seconds_to[key] = self.train_seconds
+                    self.epochs_to[key] = epoch + 1
+
+    return EpochTimer, AccuracyClock
+
+
+def _compile(rt, model, optimizer) -> None:
+    model.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+def _steps(x, batch_size: int) -> int:
+    return -(-len(x) // batch_size)
+
+
+def _timed_fit(rt, model, x, y, task) -> dict[str, Any]:
+    """One timed window of `fit`; throughput from the epochs' wall times."""
+    EpochTimer, _ = _callbacks(rt.keras)
+    timer = EpochTimer(task["min_epochs"], task["min_seconds"])
+    rt.reset_statistics()
+    steps_before = rt.replica_steps()
+    if task.get("input", "dataset") == "numpy":
+        model.fit(
+            x,
+            y,
+            batch_size=task["batch_size"],
+            epochs=task.get("max_epochs", 1000),
+            callbacks=[timer],
+            shuffle=False,
+            verbose=0,
+        )
+    else:
+        model.fit(
+            workloads.dataset(x, y, task["batch_size"]),
+            steps_per_epoch=_steps(x, task["batch_size"]),
+            epochs=task.get("max_epochs", 1000),
+            callbacks=[timer],
+            verbose=0,
+        )
+    seconds = timer.seconds[1:]
+    median = statistics.median(seconds)
+    out: dict[str, Any] = {
+        "epochs": len(seconds),
+        "examples_per_epoch": len(x),
+        "first_epoch_seconds": timer.seconds[0],
+        "epoch_seconds": seconds,
+        "median_epoch_seconds": median,
+        "examples_per_second": len(x) / median,
+        "mean_examples_per_second": len(x) * len(seconds) / sum(seconds),
+        "final_loss": timer.losses[-1] if timer.losses else None,
+    }
+    steps_after = rt.replica_steps()
+    if steps_after is not None:
+        out["replica_steps"] = [a - b for a, b in zip(steps_after, steps_before)]
+        out["staleness"] = rt.statistics()
+    return out
+
+
+def _warm_up(rt, model, x, y, batch_size: int, steps: int = 3) -> float:
+    """Traces the train step on a few batches; returns the seconds it took."""
+    start = time.perf_counter()
+    model.fit(workloads.dataset(x, y, batch_size), steps_per_epoch=steps, epochs=1, verbose=0)
+    return time.perf_counter() - start
+
+
+def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
+    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_model(rt.keras, task["model"])
+        _compile(rt, model, rt.optimizer(task["learning_rate"]))
+    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    out = _timed_fit(rt, model, x, y, task)
+    out["warmup_seconds"] = warmup
+    return out
+
+
+def run_straggler(rt, task: dict, seed: int) -> dict[str, Any]:
+    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        # Non-zero while the step is traced, so the sleep is traced in; each
+        # window then sets its own delay (0 for the no-straggler window).
+        delay = workloads.replica_delay(rt.keras, 1e-6, legacy=rt.legacy)
+        model = workloads.build_model(rt.keras, task["model"], delay_layer=delay)
+        _compile(rt, model, rt.optimizer(task["learning_rate"]))
+    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    windows = {}
+    for slowdown, seconds in task["delays"].items():
+        delay.seconds = float(seconds)
+        window = _timed_fit(rt, model, x, y, task)
+        window["delay_seconds"] = float(seconds)
+        windows[slowdown] = window
+    return {"warmup_seconds": warmup, "windows": windows}
+
+
+def _optimizer_variables(optimizer) -> list:
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def run_accuracy(rt, task: dict, seed: int) -> dict[str, Any]:
+    x_train, x_val, y_train, y_val = workloads.digits_data(seed)
+    batch_size = task["batch_size"]
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        delay = (
+            workloads.replica_delay(rt.keras, task["delay"], legacy=rt.legacy)
+            if task.get("delay")
+            else None
+        )
+        model = workloads.build_model(rt.keras, "mlp", delay_layer=delay)
+        optimizer = rt.optimizer(task["learning_rate"], task.get("rule"), task.get("drop_above"))
+        _compile(rt, model, optimizer)
+        optimizer.build(model.trainable_variables)
+    # Trace the step first, then start again from the same weights and
+    # optimizer state, so that the clock measures training only.
+    initial_weights = model.get_weights()
+    initial_state = [v.numpy() for v in _optimizer_variables(optimizer)]
+    warmup = _warm_up(rt, model, x_train, y_train, batch_size, steps=2)
+    model.set_weights(initial_weights)
+    for variable, value in zip(_optimizer_variables(optimizer), initial_state):
+        variable.assign(value)
+    rt.reset_statistics()
+    steps_before = rt.replica_steps()
+    _, AccuracyClock = _callbacks(rt.keras)
+    clock = AccuracyClock(x_val, y_val, task["targets"])
+    start = time.perf_counter()
+    model.fit(
+        workloads.dataset(x_train, y_train, batch_size, shuffle_seed=seed),
+        steps_per_epoch=_steps(x_train, batch_size),
+        epochs=task["epochs"],
+        callbacks=[clock],
+        verbose=0,
+    )
+    out: dict[str, Any] = {
+        "warmup_seconds": warmup,
+        "wall_seconds": time.perf_counter() - start,
+        "train_seconds": clock.train_seconds,
+        "eval_seconds": clock.eval_seconds,
+        "seconds_to": clock.seconds_to,
+        "epochs_to": clock.epochs_to,
+        "final_accuracy": clock.history[-1]["val_accuracy"] if clock.history else None,
+        "best_accuracy": max((h["val_accuracy"] for h in clock.history), default=None),
+        "history": clock.history,
+    }
+    steps_after = rt.replica_steps()
+    if steps_after is not None:
+        out["replica_steps"] = [a - b for a, b in zip(steps_after, steps_before)]
+        out["staleness"] = rt.statistics()
+    return out
+
+
+TASKS = {"throughput": run_throughput, "straggler": run_straggler, "accuracy": run_accuracy}
+
+
+def run_session(config: dict) -> dict[str, Any]:
+    """Runs a session's tasks; every task's result or error is in the output."""
+    start = time.perf_counter()
+    session: dict[str, Any] = {
+        "contender": config["contender"],
+        "replicas": config["replicas"],
+        "python": sys.executable,
+        "python_version": platform.python_version(),
+    }
+    try:
+        from benchmarks.contenders import Runtime
+
+        rt = Runtime(
+            config["contender"],
+            config["replicas"],
+            max_staleness=config.get("max_staleness"),
+            mirrored_reduce=config.get("mirrored_reduce", "one_device"),
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the parent
+        session.update(
+            status="error",
+            error=f"{type(error).__name__}: {error}",
+            traceback=traceback.format_exc(limit=8),
+        )
+        return session
+    session.update(
+        tensorflow_version=rt.tf.__version__,
+        keras_version=rt.keras_version,
+        devices=rt.devices,
+        startup_seconds=time.perf_counter() - start,
+    )
+    tasks = []
+    for task in config.get("tasks", []):
+        task_start = time.perf_counter()
+        try:
+            result = TASKS[task["kind"]](rt, task, config.get("seed", 0))
+            result["status"] = "ok"
+        except Exception as error:  # noqa: BLE001 - reported, the session goes on
+            result = {
+                "status": "error",
+                "error": f"{type(error).__name__}: {error}"[:2000],
+                "traceback": traceback.format_exc(limit=12)[-4000:],
+            }
+        result["seconds"] = time.perf_counter() - task_start
+        result["peak_rss_mb"] = peak_rss_mb()
+        tasks.append({"task": task, "result": result})
+        gc.collect()
+    session.update(
+        status="ok", tasks=tasks, peak_rss_mb=peak_rss_mb(), seconds=time.perf_counter() - start
+    )
+    return session
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one benchmark session; print JSON.")
+    parser.add_argument(
+        "--json-config", required=True, help="the session as JSON, or @FILE to read it from a file"
+    )
+    args = parser.parse_args(argv)
+    text = args.json_config
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    result = run_session(json.loads(text))
+    sys.stdout.write("\n" + RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
