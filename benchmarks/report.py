@@ -716,7 +716,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         *_accuracy_table(results),
         "",
-        "Seconds of training (the clock stops while the callback evaluates) until the "
+        "Seconds of training (the clock stops while the callback measures) until the "
         "validation accuracy at an epoch's end first reaches the target; medians over runs, "
         "a run that never reached it counting as slowest. Staleness: versions applied by "
         "others between a replica's read and its update.",
