@@ -100,10 +100,10 @@ class Plan:
 
 
 PRESETS = {
-    # About 20 minutes on a 2-core host.
+    # 25 minutes on a 2-core host (`--repeats 2` for about two thirds of that).
     "full": Plan(name="full", repeats=3),
-    # About 5 minutes: 4 replicas (and 1 for the overhead), MLP only, tf.data
-    # input only, 2 repeats.
+    # About 7 minutes on a 2-core host: 4 replicas (and 1 for the overhead),
+    # MLP only, tf.data input only, 2 repeats.
     "quick": Plan(
         name="quick",
         repeats=2,
