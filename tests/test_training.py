@@ -174,6 +174,23 @@ def test_partial_last_batch_smaller_than_replica_count():
     assert strategy.version == 4 + 4 + 2  # empty shards are not stepped
 
 
+def test_batches_split_into_near_equal_shards_in_the_graph():
+    from tf_diffmap.program import is_empty, split_in_graph
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([])])
+    def split(x, scale):
+        return split_in_graph([x, scale], 4)
+
+    x = tf.reshape(tf.range(20, dtype=tf.float32), [10, 2])
+    shards = split(x, tf.constant(3.0))
+    assert [int(s[0].shape[0]) for s in shards] == [3, 3, 2, 2]
+    np.testing.assert_array_equal(tf.concat([s[0] for s in shards], 0), x)
+    assert all(float(s[1]) == 3.0 for s in shards)  # scalars go whole to every shard
+    small = split(x[:2], tf.constant(1.0))
+    assert [is_empty(s) for s in small] == [False, False, True, True]
+    assert split_in_graph([x], 1) == [[x]]  # one replica: no split at all
+
+
 def test_run_eagerly_applies_one_update_per_batch(data):
     x, y = data
     strategy, model = async_mlp(compile_kwargs={"run_eagerly": True})

@@ -22,7 +22,7 @@ from tf_diffmap.step import StepState, tracing_step
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
 
-__all__ = ["Program", "batch_size", "is_tensor"]
+__all__ = ["Program", "batch_size", "is_empty", "is_tensor", "split_in_graph"]
 
 
 def batch_size(tensors) -> tf.Tensor | None:
@@ -32,6 +32,34 @@ def batch_size(tensors) -> tf.Tensor | None:
         if tensor.shape.rank:
             return tf.shape(tensor, out_type=tf.int64)[0]
     return None
+
+
+def split_in_graph(tensors, replicas: int) -> list[list[tf.Tensor]]:
+    """Splits a batch into one shard per replica, as ops of the caller's graph.
+
+    Shards differ in size by at most one example; a batch smaller than the
+    number of replicas leaves some shards empty. Tensors without a batch
+    dimension (scalars) go whole to every shard. Splitting in the graph costs
+    one op per tensor, run by TensorFlow's executor rather than by Python.
+    """
+    batched = [t for t in tensors if t.shape.rank != 0]
+    if replicas == 1 or not batched:
+        return [list(tensors)]
+    examples = tf.shape(batched[0])[0]
+    sizes = examples // replicas + tf.cast(tf.range(replicas) < examples % replicas, tf.int32)
+    pieces = [
+        tf.split(t, sizes, num=replicas) if t.shape.rank != 0 else [t] * replicas
+        for t in tensors
+    ]
+    return [list(shard) for shard in zip(*pieces)]
+
+
+def is_empty(shard) -> bool:
+    """Whether a shard holds no examples (its first batched tensor is empty)."""
+    for tensor in shard:
+        if tensor.shape.rank:
+            return tensor.shape[0] == 0
+    return False
 
 
 def is_tensor(value) -> bool:
@@ -162,9 +190,10 @@ class Program:
         """An asynchronous step: queue the shards, return recent outputs."""
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
+        shards = split_in_graph(tensors, len(self.extended.replica_devices))
         flat = tf.py_function(
             self._dispatch,
-            tensors,
+            [t for shard in shards for t in shard],
             [s.dtype for s in self.output_specs],
             name="tf_diffmap_dispatch",
         )
@@ -182,7 +211,11 @@ class Program:
 
     def _dispatch(self, *tensors):
         pool = self.extended._pool
-        shards = self.extended.split(tensors)
+        per_shard = len(self.tensor_positions)
+        shards = [list(tensors[i : i + per_shard]) for i in range(0, len(tensors), per_shard)]
+        if len(shards) > 1:
+            # A batch smaller than the number of replicas leaves some empty.
+            shards = [shard for shard in shards if not is_empty(shard)]
         tasks = [functools.partial(self._run_shard, shard) for shard in shards]
         if pool.submit(tasks):
             pool.wait_for(lambda: self.latest is not None)

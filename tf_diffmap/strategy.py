@@ -217,17 +217,6 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             self._programs[key] = program
         return program
 
-    def split(self, tensors) -> list[list[tf.Tensor]]:
-        """Splits a host batch into one shard per replica (empty ones dropped)."""
-        batch = next((int(t.shape[0]) for t in tensors if t.shape.rank), None)
-        if batch is None:
-            return [list(tensors)]
-        replicas = len(self.replica_devices)
-        sizes = [batch // replicas + (1 if r < batch % replicas else 0) for r in range(replicas)]
-        sizes = [s for s in sizes if s]
-        pieces = [tf.split(t, sizes) if t.shape.rank else [t] * len(sizes) for t in tensors]
-        return [list(shard) for shard in zip(*pieces)]
-
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # Each replica applies its own gradient: there is nothing to reduce.
         # When Keras aggregates gradients, they are known: claim the version.

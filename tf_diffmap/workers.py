@@ -5,6 +5,12 @@ bounded queue that every worker takes from, so a slow replica simply takes
 fewer shards and nobody waits at a barrier. TensorFlow releases the GIL while
 a function runs, so the workers' steps overlap.
 
+One lock guards the pool and two conditions share it, so that each event
+wakes only the threads it concerns: queued shards wake as many idle workers as
+there are new shards, and a shard taken or finished wakes the callers' threads
+(waiting for room in the queue, for outputs, or for the pool to drain), never
+the other workers.
+
 A worker's exception is kept as raised (not as TensorFlow's wrapped error),
 the queue is cleared so that nothing blocks on it, and the exception is raised
 in the caller's thread at its next contact with the pool.
@@ -56,7 +62,12 @@ class WorkerPool:
         self.name = name
         self.queue_size = queue_size or 2 * num_replicas
         self.max_staleness = max_staleness
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # Workers wait here for shards (and, under max_staleness, for the
+        # slowest replica to catch up).
+        self._work = threading.Condition(self._lock)
+        # Callers (`submit`, `wait_for`, `drain`) wait here for progress.
+        self._progress = threading.Condition(self._lock)
         self._queue: collections.deque[Task] = collections.deque()
         self._in_flight = 0
         self._error: BaseException | None = None
@@ -79,29 +90,34 @@ class WorkerPool:
             False when a worker has failed (nothing more is queued then; the
             error is raised by `raise_error`), True otherwise.
         """
-        with self._cond:
+        with self._lock:
             self._stopping = False
             self._start_missing_threads()
+            added = 0
             for task in tasks:
-                while len(self._queue) >= self.queue_size and self._error is None:
-                    self._cond.wait(POLL_SECONDS)
-                    self._start_missing_threads()
+                if len(self._queue) >= self.queue_size:
+                    self._wake_workers(added)
+                    added = 0
+                    while len(self._queue) >= self.queue_size and self._error is None:
+                        self._progress.wait(POLL_SECONDS)
+                        self._start_missing_threads()
                 if self._error is not None:
                     return False
                 self._queue.append(task)
                 self._in_flight += 1
-                self._cond.notify_all()
+                added += 1
+            self._wake_workers(added)
         return True
 
     def wait_for(self, predicate: Callable[[], bool]) -> bool:
         """Waits until `predicate()` holds or a worker fails; True if it holds."""
-        with self._cond:
+        with self._lock:
             while not predicate():
                 if self._error is not None:
                     return False
                 if not self._queue and not self._in_flight:
                     return predicate()
-                self._cond.wait(POLL_SECONDS)
+                self._progress.wait(POLL_SECONDS)
             return True
 
     def drain(self) -> None:
@@ -111,9 +127,9 @@ class WorkerPool:
         """
         if self.in_worker():
             return
-        with self._cond:
+        with self._lock:
             while self._in_flight and self._error is None:
-                self._cond.wait(POLL_SECONDS)
+                self._progress.wait(POLL_SECONDS)
         self.raise_error()
 
     @property
@@ -128,18 +144,18 @@ class WorkerPool:
 
     def raise_error(self) -> None:
         """Raises, once, the exception that stopped a worker, if any."""
-        with self._cond:
+        with self._lock:
             error, self._error = self._error, None
         if error is not None:
             raise error
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Drops queued tasks, stops the threads and waits for them."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
             self._in_flight -= len(self._queue)
             self._queue.clear()
-            self._cond.notify_all()
+            self._notify_everyone()
             threads = list(self._threads.values())
         deadline = time.monotonic() + timeout
         for thread in threads:
@@ -148,17 +164,17 @@ class WorkerPool:
 
     def threads(self) -> list[threading.Thread]:
         """The worker threads alive now."""
-        with self._cond:
+        with self._lock:
             return [t for t in self._threads.values() if t.is_alive()]
 
     def steps(self) -> list[int]:
         """Steps completed by each replica."""
-        with self._cond:
+        with self._lock:
             return list(self._steps)
 
     def seconds_waited(self) -> list[float]:
         """Time each replica spent held back by `max_staleness`."""
-        with self._cond:
+        with self._lock:
             return list(self._waited)
 
     # -- the workers -------------------------------------------------------
@@ -168,7 +184,7 @@ class WorkerPool:
             thread = self._threads.get(replica_id)
             if thread is None or not thread.is_alive():
                 thread = threading.Thread(
-                    target=self._work,
+                    target=self._run,
                     args=(replica_id,),
                     name=f"{self.name}-replica-{replica_id}",
                     daemon=True,
@@ -183,7 +199,7 @@ class WorkerPool:
 
     def _next_task(self, replica_id: int) -> Task | None:
         """The next task for this replica, or None when it should exit."""
-        with self._cond:
+        with self._lock:
             idle_since = time.monotonic()
             held_since = None
             while True:
@@ -193,7 +209,7 @@ class WorkerPool:
                     if held_since is not None:
                         self._waited[replica_id] += time.monotonic() - held_since
                     task = self._queue.popleft()
-                    self._cond.notify_all()
+                    self._progress.notify_all()
                     return task
                 if self._queue:
                     held_since = held_since or time.monotonic()
@@ -202,9 +218,9 @@ class WorkerPool:
                     if self._threads.get(replica_id) is threading.current_thread():
                         del self._threads[replica_id]
                     return None
-                self._cond.wait(POLL_SECONDS)
+                self._work.wait(POLL_SECONDS)
 
-    def _work(self, replica_id: int) -> None:
+    def _run(self, replica_id: int) -> None:
         self._local.replica_id = replica_id
         while True:
             task = self._next_task(replica_id)
@@ -219,16 +235,30 @@ class WorkerPool:
                     error = wrapped
                 self._fail(error)
                 return
-            with self._cond:
+            with self._lock:
                 self._in_flight -= 1
                 self._steps[replica_id] += 1
-                self._cond.notify_all()
+                self._progress.notify_all()
+                if self.max_staleness is not None and self._queue:
+                    # The slowest replica moving on may release held-back ones.
+                    self._work.notify_all()
 
     def _fail(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 self._error = error
             # The failed task and every queued one will never run.
             self._in_flight -= 1 + len(self._queue)
             self._queue.clear()
-            self._cond.notify_all()
+            self._notify_everyone()
+
+    def _wake_workers(self, shards: int) -> None:
+        if self.max_staleness is None:
+            self._work.notify(shards)
+        else:
+            # A held-back worker woken would pass its turn: wake them all.
+            self._work.notify_all()
+
+    def _notify_everyone(self) -> None:
+        self._work.notify_all()
+        self._progress.notify_all()
