@@ -8,11 +8,12 @@ passes to `Strategy` into canonical device names, or says what is wrong.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import tensorflow as tf
 
-__all__ = ["split_devices", "default_replica_devices", "resolve_devices"]
+__all__ = ["split_devices", "default_replica_devices", "inter_op_threads", "resolve_devices"]
 
 
 def split_devices(
@@ -93,6 +94,26 @@ def default_replica_devices() -> list[str]:
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     return [d.name for d in devices]
+
+
+def inter_op_threads() -> int:
+    """Threads in TensorFlow's inter-op pool, which runs every function's ops.
+
+    What `tf.config.threading` was given, else `TF_NUM_INTEROP_THREADS`, else
+    TensorFlow's default of one thread per CPU this process may run on.
+    """
+    configured = tf.config.threading.get_inter_op_parallelism_threads()
+    if configured > 0:
+        return configured
+    try:
+        from_env = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    except ValueError:
+        from_env = 0
+    if from_env > 0:
+        return from_env
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _canonical(name: str) -> str:

@@ -93,7 +93,11 @@ class Program:
             self.static_leaves[i] = None
         self.specs = specs
         self.trains = False
+        # Outputs of the most recently finished step, and whether one has
+        # finished since the last drain (a variable: Keras' graph reads it).
         self.latest: list | None = None
+        self.fresh: tf.Variable | None = None
+        self._fresh = False  # what `fresh` holds, so that a drain sets it once
         self._trace(fn)
 
     def _pack(self, tensors):
@@ -131,6 +135,9 @@ class Program:
 
         def trace():
             try:
+                # Made here, outside the strategy's scope: not a store variable.
+                with tf.device("/device:CPU:0"):
+                    self.fresh = tf.Variable(False, trainable=False, name="outputs_fresh")
                 install_summary_state()
                 keras.config.set_dtype_policy(dtype_policy)
                 with strategy.scope():
@@ -187,47 +194,104 @@ class Program:
         return outputs
 
     def dispatch_in_graph(self, args, kwargs):
-        """An asynchronous step: queue the shards, return recent outputs."""
+        """An asynchronous step: queue the shards, return recent outputs.
+
+        Nothing here waits for a worker: an op that waited would hold one of
+        TensorFlow's inter-op threads, which the workers' steps run on (with
+        a single such thread, as on a one-CPU host, it would wait forever).
+        So the first step after a drain, which has no recent outputs to
+        return, runs its first shard right here in Keras' graph, as replica
+        0, returns that shard's outputs, and queues the other shards once
+        it has finished.
+        """
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
         shards = split_in_graph(tensors, len(self.extended.replica_devices))
+        flat = tf.cond(
+            self.fresh.read_value(),
+            lambda: self._dispatch_in_graph(shards),
+            lambda: self._first_step_in_graph(shards),
+        )
+        # Both branches end with the flag of their host-side work, so that a
+        # step without tensor outputs still runs it.
+        return self._pack_outputs(flat[:-1])
+
+    def _first_step_in_graph(self, shards):
+        outputs, claims = self.concrete(tf.constant(0, tf.int32), *shards[0])
+        flat = tf.nest.flatten(outputs)
+        flat = [flat[i] for i in self.output_positions]
+        rest = [t for shard in shards[1:] for t in shard]
+        queued = tf.py_function(
+            self._finish_first_step, [claims, *flat, *rest], tf.bool, name="tf_diffmap_queue_rest"
+        )
+        queued.set_shape([])
+        return [*flat, queued]
+
+    def _dispatch_in_graph(self, shards):
         flat = tf.py_function(
             self._dispatch,
             [t for shard in shards for t in shard],
-            [s.dtype for s in self.output_specs],
+            [*(s.dtype for s in self.output_specs), tf.bool],
             name="tf_diffmap_dispatch",
         )
-        if not isinstance(flat, (list, tuple)):
-            flat = [flat]
-        for tensor, spec in zip(flat, self.output_specs):
+        for tensor, spec in zip(flat, [*self.output_specs, tf.TensorSpec([], tf.bool)]):
             tensor.set_shape(spec.shape)
-        return self._pack_outputs(flat)
+        return list(flat)
 
-    # -- in the dispatch op (eager, on a TensorFlow thread) -----------------
+    # -- in the dispatch ops (eager, on a TensorFlow thread; never waiting) --
 
     def _drain(self):
-        self.extended._pool.wait_for(lambda: self.extended._pool.in_flight == 0)
+        extended = self.extended
+        pool = extended._pool
+        if pool.in_flight and not extended.graph_may_wait():
+            raise RuntimeError(
+                f"A step that reads the whole model runs while {pool.in_flight} "
+                "replica steps are still queued or running, and TensorFlow has a "
+                "single inter-op thread: waiting for them inside this step would "
+                "hold the thread they need. Call `strategy.drain()` before this "
+                "step, or give TensorFlow two or more inter-op threads "
+                "(`tf.config.threading.set_inter_op_parallelism_threads(2)` "
+                "before anything runs)."
+            )
+        pool.wait_for(lambda: pool.in_flight == 0)
+        return True
+
+    def _finish_first_step(self, claims, *tensors):
+        extended = self.extended
+        extended._complete_claims(0, int(claims))
+        outputs = len(self.output_positions)
+        self.latest = list(tensors[:outputs])
+        self.fresh.assign(True)
+        self._fresh = True
+        extended._first_step_open = False
+        self._queue(self._shards(tensors[outputs:]))
         return True
 
     def _dispatch(self, *tensors):
-        pool = self.extended._pool
+        self._queue(self._shards(tensors))
+        # `latest` is set: a step ran since the drain. (Were the workers
+        # drained from another thread since, it is still the latest there is.)
+        return [*self.latest, True]
+
+    def mark_drained(self) -> None:
+        """After a drain (caller's thread): the next step reports fresh outputs."""
+        if self._fresh:
+            self._fresh = False
+            self.fresh.assign(False)
+            self.extended._first_step_open = True
+
+    def _shards(self, tensors):
         per_shard = len(self.tensor_positions)
         shards = [list(tensors[i : i + per_shard]) for i in range(0, len(tensors), per_shard)]
-        if len(shards) > 1:
-            # A batch smaller than the number of replicas leaves some empty.
-            shards = [shard for shard in shards if not is_empty(shard)]
-        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
-        if pool.submit(tasks):
-            pool.wait_for(lambda: self.latest is not None)
-        return self.latest if self.latest is not None else self._placeholder_outputs()
+        # A batch smaller than the number of replicas leaves some empty.
+        return [shard for shard in shards if not is_empty(shard)]
 
-    def _placeholder_outputs(self):
-        # Only returned after a replica failed: the caller's thread raises that
-        # error at its next step, so these values are never reported.
-        return [
-            tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
-            for s in self.output_specs
-        ]
+    def _queue(self, shards) -> None:
+        if shards:
+            tasks = [functools.partial(self._run_shard, shard) for shard in shards]
+            # The caller's thread waits for room before each batch; here, where
+            # waiting could hold the workers' only inter-op thread, never.
+            self.extended._pool.submit(tasks, block=self.extended.graph_may_wait())
 
     # -- in a worker thread ---------------------------------------------------
 

@@ -8,10 +8,13 @@ How a training step flows:
    gradient tape), as a concrete *replica step* placed on that device, taking a
    replica id and one shard. Replicas on one device share it; concurrent calls
    are separate executions, so nothing serializes the replicas.
-3. In Keras' graph the strategy leaves one dispatch op (`tf.py_function`) that
-   splits the host batch into one shard per replica, queues the shards and
-   returns without waiting for them: it hands back the outputs (metrics) of
-   the most recently completed step.
+3. In Keras' graph the strategy splits the host batch into one shard per
+   replica and leaves one dispatch op (`tf.py_function`) that queues the
+   shards and returns without waiting for them: it hands back the outputs
+   (metrics) of the most recently completed step. The first step after a
+   drain has none yet: it runs its first shard in Keras' graph, as replica 0,
+   and queues the others once that shard is done. No op of Keras' graph ever
+   waits for a worker (it would hold an inter-op thread the workers need).
 4. A worker runs the replica step: read the store version, forward and
    backward, claim a new version (its staleness is the difference), apply its
    own gradient to the store with update ops on the store's devices.
@@ -31,7 +34,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.devices import default_replica_devices, resolve_devices
+from tf_diffmap.devices import default_replica_devices, inter_op_threads, resolve_devices
 from tf_diffmap.inputs import HostDataset
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
@@ -69,7 +72,12 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         )
         self._programs: dict[Any, Program] = {}
         self._resync_completed = False
+        # A first step runs in Keras' graph; if it fails, its claims are
+        # counted again before the next batch (see `Program.dispatch_in_graph`).
+        self._first_step_open = False
         self._claims_seen = [0] * len(replica_devices)
+        self._claims_lock = threading.Lock()
+        self._graph_may_wait: bool | None = None
         self._store_variable_ids: set[int] = set()
 
     # -- drain --------------------------------------------------------------
@@ -81,23 +89,34 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         # Whoever reads the model as a whole (an epoch's end, a metrics reset)
         # starts a new stretch: the next step reports fresh outputs.
         for program in self._programs.values():
-            program.latest = None
+            program.mark_drained()
 
     def _complete_claims(self, replica_id: int, claims: int) -> None:
-        """Counts a replica's finished claims as completed (its thread only)."""
-        for _ in range(claims - self._claims_seen[replica_id]):
-            self._store.complete()
-        self._claims_seen[replica_id] = claims
+        """Counts a replica's finished claims as completed."""
+        with self._claims_lock:
+            for _ in range(claims - self._claims_seen[replica_id]):
+                self._store.complete()
+            self._claims_seen[replica_id] = max(claims, self._claims_seen[replica_id])
+
+    def graph_may_wait(self) -> bool:
+        """Whether an op in a graph may wait for the workers.
+
+        Such an op holds one of TensorFlow's inter-op threads while it waits;
+        the workers' steps need another.
+        """
+        if self._graph_may_wait is None:
+            self._graph_may_wait = inter_op_threads() >= 2
+        return self._graph_may_wait
 
     def _before_next_batch(self) -> None:
         # Called in the caller's thread before each batch: a replica's error
         # surfaces here, and the caller waits while the queue cannot take the
         # batch's shards, so that the dispatch op itself never blocks on it.
         self._pool.raise_error()
-        if self._resync_completed and self._pool.in_flight == 0:
+        if (self._resync_completed or self._first_step_open) and self._pool.in_flight == 0:
             self._store.resync_completed()
             self._claims_seen = self._store.claims_per_replica()
-            self._resync_completed = False
+            self._resync_completed = self._first_step_open = False
         room = self._pool.queue_size - len(self.replica_devices)
         self._pool.wait_for(lambda: self._pool.queued <= max(room, 0))
         self._pool.raise_error()
@@ -215,6 +234,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if program is None:
             program = Program(self, fn, args, kwargs)
             self._programs[key] = program
+            # Its first step runs in Keras' graph (see `Program.dispatch_in_graph`).
+            self._first_step_open = self._first_step_open or program.trains
         return program
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):

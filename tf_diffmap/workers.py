@@ -83,8 +83,14 @@ class WorkerPool:
         """Whether the current thread is one of this pool's workers."""
         return getattr(self._local, "replica_id", None) is not None
 
-    def submit(self, tasks: Sequence[Task]) -> bool:
+    def submit(self, tasks: Sequence[Task], block: bool = True) -> bool:
         """Queues tasks; blocks while the queue is full.
+
+        Args:
+            tasks: callables taking the replica id.
+            block: False queues beyond `queue_size` rather than wait, for
+                callers that must not wait (the caller then keeps the queue
+                bounded itself, as the strategy does before each batch).
 
         Returns:
             False when a worker has failed (nothing more is queued then; the
@@ -95,7 +101,7 @@ class WorkerPool:
             self._start_missing_threads()
             added = 0
             for task in tasks:
-                if len(self._queue) >= self.queue_size:
+                if block and len(self._queue) >= self.queue_size:
                     self._wake_workers(added)
                     added = 0
                     while len(self._queue) >= self.queue_size and self._error is None:
