@@ -82,9 +82,11 @@ def test_models_train_and_every_shard_is_applied(model_name, data):
     with strategy.scope():
         model = MODELS[model_name]()
         compile_logits(model, keras.optimizers.Adam(3e-3))
+    before = model.evaluate(x, y, batch_size=128, verbose=0)[0]
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0)
-    losses = history.history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert np.all(np.isfinite(history.history["loss"]))
+    # Judged on the whole data: a custom step's "loss" is one shard's alone.
+    assert model.evaluate(x, y, batch_size=128, verbose=0)[0] < before
     assert strategy.version == expected_updates(len(x), BATCH, 4, EPOCHS)
     assert int(model.optimizer.iterations.numpy()) == strategy.version
     stats = strategy.statistics()

@@ -93,9 +93,11 @@ class Program:
             self.static_leaves[i] = None
         self.specs = specs
         self.trains = False
-        # Outputs of the most recently finished step, and whether one has
-        # finished since the last drain (a variable: Keras' graph reads it).
+        # Outputs of the most recently finished step since the last drain,
+        # and of any step; whether one has finished since the last drain
+        # (a variable: Keras' graph reads it where no op may wait).
         self.latest: list | None = None
+        self.last: list | None = None
         self.fresh: tf.Variable | None = None
         self._fresh = False  # what `fresh` holds, so that a drain sets it once
         self._trace(fn)
@@ -196,23 +198,27 @@ class Program:
     def dispatch_in_graph(self, args, kwargs):
         """An asynchronous step: queue the shards, return recent outputs.
 
-        Nothing here waits for a worker: an op that waited would hold one of
-        TensorFlow's inter-op threads, which the workers' steps run on (with
-        a single such thread, as on a one-CPU host, it would wait forever).
-        So the first step after a drain, which has no recent outputs to
-        return, runs its first shard right here in Keras' graph, as replica
-        0, returns that shard's outputs, and queues the other shards once
-        it has finished.
+        The first step after a drain has no recent outputs to return. The
+        dispatch op then waits for the first of its shards to finish, which
+        holds one of TensorFlow's inter-op threads while the workers' steps
+        run on the others. With a single inter-op thread (as on a one-CPU
+        host) that wait would never end, so there no op waits for a worker:
+        the first step after a drain runs its first shard right here in
+        Keras' graph, as replica 0, returns that shard's outputs, and queues
+        the other shards once it has finished.
         """
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
         shards = split_in_graph(tensors, len(self.extended.replica_devices))
-        flat = tf.cond(
-            self.fresh.read_value(),
-            lambda: self._dispatch_in_graph(shards),
-            lambda: self._first_step_in_graph(shards),
-        )
-        # Both branches end with the flag of their host-side work, so that a
+        if self.extended.graph_may_wait():
+            flat = self._dispatch_in_graph(shards)
+        else:
+            flat = tf.cond(
+                self.fresh.read_value(),
+                lambda: self._dispatch_in_graph(shards),
+                lambda: self._first_step_in_graph(shards),
+            )
+        # Both ways end with the flag of their host-side work, so that a
         # step without tensor outputs still runs it.
         return self._pack_outputs(flat[:-1])
 
@@ -260,7 +266,7 @@ class Program:
         extended = self.extended
         extended._complete_claims(0, int(claims))
         outputs = len(self.output_positions)
-        self.latest = list(tensors[:outputs])
+        self.latest = self.last = list(tensors[:outputs])
         self.fresh.assign(True)
         self._fresh = True
         extended._first_step_open = False
@@ -268,13 +274,28 @@ class Program:
         return True
 
     def _dispatch(self, *tensors):
-        self._queue(self._shards(tensors))
-        # `latest` is set: a step ran since the drain. (Were the workers
-        # drained from another thread since, it is still the latest there is.)
-        return [*self.latest, True]
+        pool = self.extended._pool
+        queued = self._queue(self._shards(tensors))
+        if self.extended.graph_may_wait():
+            if queued:
+                pool.wait_for(lambda: self.latest is not None)
+            outputs = self.latest
+        else:
+            # A step has finished since the drain (or the workers were just
+            # drained from another thread, and `last` is still the latest).
+            outputs = self.latest if self.latest is not None else self.last
+        if outputs is None:
+            # Only after a replica failed before any step finished: the
+            # caller's thread raises that error before the next batch.
+            outputs = [
+                tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
+                for s in self.output_specs
+            ]
+        return [*outputs, True]
 
     def mark_drained(self) -> None:
         """After a drain (caller's thread): the next step reports fresh outputs."""
+        self.latest = None
         if self._fresh:
             self._fresh = False
             self.fresh.assign(False)
@@ -286,12 +307,14 @@ class Program:
         # A batch smaller than the number of replicas leaves some empty.
         return [shard for shard in shards if not is_empty(shard)]
 
-    def _queue(self, shards) -> None:
-        if shards:
-            tasks = [functools.partial(self._run_shard, shard) for shard in shards]
-            # The caller's thread waits for room before each batch; here, where
-            # waiting could hold the workers' only inter-op thread, never.
-            self.extended._pool.submit(tasks, block=self.extended.graph_may_wait())
+    def _queue(self, shards) -> bool:
+        """Queues shards; False when a worker has failed."""
+        if not shards:
+            return True
+        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
+        # The caller's thread waits for room before each batch; here, where
+        # waiting could hold the workers' only inter-op thread, only if not.
+        return self.extended._pool.submit(tasks, block=self.extended.graph_may_wait())
 
     # -- in a worker thread ---------------------------------------------------
 
@@ -307,4 +330,4 @@ class Program:
         # whose update was skipped, e.g. for non-finite gradients, claimed none).
         self.extended._complete_claims(replica_id, int(claims))
         flat = tf.nest.flatten(outputs)
-        self.latest = [flat[i] for i in self.output_positions]
+        self.latest = self.last = [flat[i] for i in self.output_positions]
