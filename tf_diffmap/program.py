@@ -48,8 +48,7 @@ def split_in_graph(tensors, replicas: int) -> list[list[tf.Tensor]]:
     examples = tf.shape(batched[0])[0]
     sizes = examples // replicas + tf.cast(tf.range(replicas) < examples % replicas, tf.int32)
     pieces = [
-        tf.split(t, sizes, num=replicas) if t.shape.rank != 0 else [t] * replicas
-        for t in tensors
+        tf.split(t, sizes, num=replicas) if t.shape.rank != 0 else [t] * replicas for t in tensors
     ]
     return [list(shard) for shard in zip(*pieces)]
 
@@ -202,8 +201,8 @@ class Program:
         dispatch op then waits for the first of its shards to finish, which
         holds one of TensorFlow's inter-op threads while the workers' steps
         run on the others. With a single inter-op thread (as on a one-CPU
-        host) that wait would never end, so there no op waits for a worker:
-        the first step after a drain runs its first shard right here in
+        host) that wait would never end, so there no op waits for a worker
+        at all: the first step after a drain runs its first shard right here in
         Keras' graph, as replica 0, returns that shard's outputs, and queues
         the other shards once it has finished.
         """

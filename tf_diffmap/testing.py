@@ -21,6 +21,12 @@ __all__ = ["ReplicaDelay"]
 class ReplicaDelay(keras.layers.Layer):
     """Identity layer that sleeps `seconds` per training step on some replicas.
 
+    The sleep is a `tf.py_function` op, so while it sleeps it holds one of
+    TensorFlow's inter-op threads, which a slow device would not: on a host
+    with few inter-op threads (one per core by default) the other replicas'
+    ops have fewer threads meanwhile. Set `TF_NUM_INTEROP_THREADS` higher to
+    take that out of a measurement.
+
     Args:
         seconds: how long each training step of a slowed replica sleeps.
         replicas: the replica ids to slow (replica 0 by default).
