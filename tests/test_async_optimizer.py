@@ -242,3 +242,31 @@ def test_skipped_float16_steps_claim_no_version():
     weights = model.get_weights()[0]
     assert np.all(np.isfinite(weights))
     np.testing.assert_array_equal(weights, np.full((4, 3), -LR * strategy.version, "float32"))
+
+
+def test_loss_scale_is_read_once_per_replica_step():
+    """Another replica may halve the scale between a step's two reads of it."""
+    from tf_diffmap.step import tracing_step
+
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        scale = tf.Variable(2.0)
+        plain = tf.Variable(2.0)
+    scale.snapshot_in_steps()
+
+    @tf.function
+    def step():
+        with tracing_step(None):
+            reads = []
+            for variable in (scale, plain):
+                first = variable.read_value()
+                variable.assign(first * 0.5)  # as a skipped step elsewhere would
+                # Read again inside a branch, as Keras unscales gradients.
+                again = tf.cond(tf.constant(True), variable.read_value, lambda: first)
+                reads.append((first, again))
+            return reads
+
+    (scale_first, scale_again), (plain_first, plain_again) = step()
+    assert float(scale_first) == float(scale_again) == 2.0
+    assert float(plain_first) == 2.0 and float(plain_again) == 1.0  # what it guards against
+    assert float(scale.numpy()) == float(plain.numpy()) == 1.0

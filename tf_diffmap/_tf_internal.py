@@ -154,6 +154,8 @@ class StoreVariable(ResourceVariable):
     """
 
     _on_host_access: Callable[[], None] | None = None
+    # Read once per replica step (see `snapshot_in_steps`).
+    _snapshot_in_steps = False
 
     @classmethod
     def adopt(cls, variable: tf.Variable, on_host_access: Callable[[], None]):
@@ -172,8 +174,21 @@ class StoreVariable(ResourceVariable):
         if self._on_host_access is not None and tf.executing_eagerly():
             self._on_host_access()
 
+    def snapshot_in_steps(self) -> None:
+        """Every read inside one replica step returns the step's first read.
+
+        For a variable that a step reads twice and that other replicas may
+        change in between, such as the dynamic loss scale: the step must
+        unscale its gradient by the scale its loss was scaled with.
+        """
+        self._snapshot_in_steps = True
+
     def _read_variable_op(self, no_copy=False):
         self._before_eager_access()
+        if self._snapshot_in_steps and _replica_tracing.active and not tf.executing_eagerly():
+            return _replica_tracing.snapshot(
+                self, lambda: super(StoreVariable, self)._read_variable_op(no_copy=no_copy)
+            )
         return super()._read_variable_op(no_copy=no_copy)
 
     def _atomic_delta(self, value):
@@ -214,9 +229,38 @@ class StoreVariable(ResourceVariable):
 
 
 class _ReplicaTracing(threading.local):
-    """Whether this thread is tracing a replica step (set by the strategy)."""
+    """Whether this thread is tracing a replica step (set by the strategy).
+
+    Attributes:
+        active: whether a replica step is being traced.
+        step_graph: the graph of that step (None when it runs eagerly).
+        snapshots: per variable id, the step graph's first read of it.
+    """
 
     active = False
+    step_graph = None
+
+    def __init__(self):
+        self.snapshots: dict[int, tf.Tensor] = {}
+
+    def snapshot(self, variable, read: Callable[[], tf.Tensor]) -> tf.Tensor:
+        """The step graph's first read of `variable`, made by `read` if none.
+
+        A graph nested in the step graph (a `tf.cond` branch) uses that read
+        too; a read made first in a nested graph is not kept for others.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        cached = self.snapshots.get(id(variable))
+        if cached is not None:
+            outer = graph
+            while outer is not None:
+                if outer is cached.graph:
+                    return cached
+                outer = getattr(outer, "outer_graph", None)
+        value = read()
+        if graph is self.step_graph:
+            self.snapshots[id(variable)] = value
+        return value
 
 
 _replica_tracing = _ReplicaTracing()

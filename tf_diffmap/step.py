@@ -171,12 +171,19 @@ def current_step() -> StepState | None:
 
 @contextlib.contextmanager
 def tracing_step(state: StepState | None):
-    previous = (_tracing.active, getattr(_current, "step", None))
-    _tracing.active, _current.step = True, state
+    previous = (
+        _tracing.active,
+        _tracing.step_graph,
+        _tracing.snapshots,
+        getattr(_current, "step", None),
+    )
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    _tracing.active, _tracing.step_graph, _tracing.snapshots = True, graph, {}
+    _current.step = state
     try:
         yield
     finally:
-        _tracing.active, _current.step = previous
+        _tracing.active, _tracing.step_graph, _tracing.snapshots, _current.step = previous
 
 
 def as_dependency(value):

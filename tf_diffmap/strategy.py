@@ -201,9 +201,17 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     @staticmethod
     def _check_optimizer(target) -> None:
-        """Refuses what a Keras model's optimizer does that cannot be async."""
+        """Refuses what a Keras model's optimizer does that cannot be async.
+
+        A dynamic loss scale is read once per replica step: the step scales
+        its loss with it and must unscale its gradient by the same value,
+        though other replicas may halve or double it in between.
+        """
         optimizer = getattr(getattr(target, "__self__", None), "optimizer", None)
         while optimizer is not None:
+            scale = getattr(getattr(optimizer, "dynamic_scale", None), "value", None)
+            if isinstance(scale, _tf_internal.StoreVariable):
+                scale.snapshot_in_steps()
             if getattr(optimizer, "gradient_accumulation_steps", None):
                 raise ValueError(
                     "The model's optimizer accumulates gradients "
