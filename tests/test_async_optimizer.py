@@ -262,7 +262,7 @@ def test_loss_scale_is_read_once_per_replica_step():
                 first = variable.read_value()
                 variable.assign(first * 0.5)  # as a skipped step elsewhere would
                 # Read again inside a branch, as Keras unscales gradients.
-                again = tf.cond(tf.constant(True), variable.read_value, lambda: first)
+                again = tf.cond(tf.constant(True), variable.read_value, lambda first=first: first)
                 reads.append((first, again))
             return reads
 
