@@ -136,9 +136,10 @@ class Program:
 
         def trace():
             try:
-                # Made here, outside the strategy's scope: not a store variable.
-                with tf.device("/device:CPU:0"):
-                    self.fresh = tf.Variable(False, trainable=False, name="outputs_fresh")
+                if not extended.graph_may_wait():
+                    # Made here, outside the strategy's scope: not a store variable.
+                    with tf.device("/device:CPU:0"):
+                        self.fresh = tf.Variable(False, trainable=False, name="outputs_fresh")
                 install_summary_state()
                 keras.config.set_dtype_policy(dtype_policy)
                 with strategy.scope():

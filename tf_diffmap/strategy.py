@@ -77,7 +77,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self._first_step_open = False
         self._claims_seen = [0] * len(replica_devices)
         self._claims_lock = threading.Lock()
-        self._graph_may_wait: bool | None = None
+        # An op that waits for a worker holds one of TensorFlow's inter-op
+        # threads while it waits; the workers' steps need another.
+        self._graph_may_wait = inter_op_threads() >= 2
         self._store_variable_ids: set[int] = set()
 
     # -- drain --------------------------------------------------------------
@@ -99,13 +101,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             self._claims_seen[replica_id] = max(claims, self._claims_seen[replica_id])
 
     def graph_may_wait(self) -> bool:
-        """Whether an op in a graph may wait for the workers.
-
-        Such an op holds one of TensorFlow's inter-op threads while it waits;
-        the workers' steps need another.
-        """
-        if self._graph_may_wait is None:
-            self._graph_may_wait = inter_op_threads() >= 2
+        """Whether an op in a graph may wait for the workers."""
         return self._graph_may_wait
 
     def _before_next_batch(self) -> None:
@@ -242,8 +238,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if program is None:
             program = Program(self, fn, args, kwargs)
             self._programs[key] = program
-            # Its first step runs in Keras' graph (see `Program.dispatch_in_graph`).
-            self._first_step_open = self._first_step_open or program.trains
+            if program.trains and not self._graph_may_wait:
+                # Its first step runs in Keras' graph (see `Program.dispatch_in_graph`).
+                self._first_step_open = True
         return program
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
