@@ -185,7 +185,7 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, update_freq, max
     )
     drains = []
     in_batch_hook = []
-    pool = strategy.extended._pool
+    pool = strategy.extended
     original_drain = pool.drain
 
     def counting_drain(*args, **kwargs):

@@ -45,18 +45,27 @@ def test_replica_error_reaches_fit_as_raised_and_threads_stop():
 
 
 @pytest.mark.timeout(60)
-def test_python_exception_type_is_kept():
-    class ReplicaFault(Exception):
-        pass
+def test_a_replica_out_of_range_error_is_raised_not_taken_for_the_end_of_data():
+    """Keras ends an epoch on OutOfRangeError from its own loop; a replica's is an error."""
+    x, y = classification_data(512)
+    calls = tf.Variable(0, dtype=tf.int64)  # made outside the scope: a plain counter
+
+    def count(t):
+        # The sixth training step raises OutOfRangeError ("Reached limit of 5").
+        tick = tf.raw_ops.ResourceCountUpTo(resource=calls.handle, limit=5, T=tf.int64)
+        with tf.control_dependencies([tick]):
+            return tf.identity(t)
 
     strategy = tf_diffmap.Strategy()
-
-    def fail(replica):
-        raise ReplicaFault("raised in replica")
-
-    strategy.extended._pool.submit([fail])
-    with pytest.raises(ReplicaFault, match="raised in replica"):
-        strategy.drain()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Lambda(count), keras.layers.Dense(2)]
+        )
+        compile_logits(model)
+    with pytest.raises(tf.errors.OutOfRangeError, match="Reached limit of 5"):
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert wait_for_no_threads(strategy) == []
+    assert strategy.version == 5
 
 
 @pytest.mark.timeout(60)

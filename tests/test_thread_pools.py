@@ -39,12 +39,20 @@ SCRIPT = textwrap.dedent(
               "may_wait": strategy.extended.graph_may_wait()}
 
     # A custom loop that runs a whole-model step while replica steps are in
-    # flight gets told what to do instead of hanging. Every replica step
-    # sleeps 50 ms, so that 80 of them are certainly still queued.
+    # flight gets told what to do instead of hanging. Every training step
+    # waits for a token of `gate` (a queue's dequeue holds no thread while it
+    # waits), so the replica steps stay in flight until the test lets them go.
+    gate = tf.queue.FIFOQueue(100, [tf.int32], shapes=[[]])
+
+    class Gate(keras.layers.Layer):
+        def call(self, t, training=None):
+            if not training:
+                return t
+            with tf.control_dependencies([gate.dequeue()]):
+                return tf.identity(t)
+
     with strategy.scope():
-        slow = keras.Sequential([keras.Input((8,)),
-                                 tf_diffmap.testing.ReplicaDelay(0.05, replicas=[0, 1, 2, 3]),
-                                 keras.layers.Dense(2)])
+        slow = keras.Sequential([keras.Input((8,)), Gate(), keras.layers.Dense(2)])
         optimizer = keras.optimizers.SGD(0.1)
     def train(features):
         with tf.GradientTape() as tape:
@@ -61,13 +69,16 @@ SCRIPT = textwrap.dedent(
     def eval_step(features):
         return strategy.run(lambda f: tf.reduce_mean(slow(f)), args=(features,))
 
-    for _ in range(20):
-        train_step(tf.constant(x[:64]))
+    gate.enqueue(0)  # the first step after a drain runs in the caller's graph
+    train_step(tf.constant(x[:64]))
+    train_step(tf.constant(x[:64]))
+    report["in_flight"] = strategy.extended.in_flight()
     try:
         eval_step(tf.constant(x[:64]))
         report["in_flight_error"] = None
     except Exception as error:
         report["in_flight_error"] = str(error)
+    gate.enqueue_many(tf.zeros([7], tf.int32))
     strategy.drain()
     report["after_drain"] = float(eval_step(tf.constant(x[:64])))
     report["custom_loop_version"] = strategy.version
@@ -92,8 +103,9 @@ def test_one_inter_op_thread_trains_and_never_hangs():
     assert all(np.isfinite(report["loss"]))
     error = report["in_flight_error"]
     assert error is not None and "strategy.drain()" in error and "single inter-op thread" in error
+    assert report["in_flight"] == 7
     assert np.isfinite(report["after_drain"])
-    assert report["custom_loop_version"] == report["version"] + 20 * 4  # no update lost
+    assert report["custom_loop_version"] == report["version"] + 2 * 4  # no update lost
 
 
 def test_first_batch_of_each_epoch_reports_real_outputs():

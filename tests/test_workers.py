@@ -1,34 +1,121 @@
-"""The worker pool: asynchronous tasks, draining, errors, bounded staleness."""
+"""The replicas' threads: loops over shared work, stopping, errors, bounded staleness.
 
+`ReplicaLoops` is driven here by a runner made of plain Python (a
+`queue.Queue` of callables), so that its thread logic is tested on its own;
+the TensorFlow loop functions it drives in the package are tested through
+the strategy.
+"""
+
+import queue
 import threading
 import time
 
 import pytest
 
-from tf_diffmap.workers import WorkerPool
+from tf_diffmap import workers
+from tf_diffmap.workers import ReplicaLoops, ReplicaState
+
+STOP = object()
 
 
-def test_drain_waits_for_every_task_and_threads_exit_when_idle():
-    pool = WorkerPool(3, name="pool-test")
+class Runner:
+    """A `LoopRunner` over Python callables taking the replica id."""
+
+    def __init__(self, replicas: int):
+        self.items: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.put = self.done = 0
+        self.steps = [0] * replicas
+        self.failed = False
+        self.loop_calls = 0
+
+    def submit(self, tasks):
+        with self.lock:
+            self.put += len(tasks)
+        for task in tasks:
+            self.items.put(task)
+
+    def run_loop(self, replica_id, max_steps):
+        with self.lock:
+            self.loop_calls += 1
+        taken = 0
+        while taken < max_steps:
+            item = self.items.get()
+            if item is STOP:
+                return taken, True
+            if not self.failed:
+                item(replica_id)  # may raise: the loop call raises
+                with self.lock:
+                    self.steps[replica_id] += 1
+            with self.lock:
+                self.done += 1
+            taken += 1
+        return taken, False
+
+    def pending(self):
+        with self.lock:
+            return self.put - self.done
+
+    def send_stops(self, count):
+        for _ in range(count):
+            self.items.put(STOP)
+
+    def count_failed(self):
+        with self.lock:
+            self.done += 1
+
+    def replica_steps(self):
+        with self.lock:
+            return list(self.steps)
+
+
+def make(replicas=3, **kwargs):
+    runner = Runner(replicas)
+    errors = []
+
+    def on_error(error):
+        errors.append(error)
+        runner.failed = True
+
+    return runner, errors, ReplicaLoops(runner, replicas, on_error, name="loops-test", **kwargs)
+
+
+def test_waits_for_every_shard_and_python_is_called_once_per_k_shards():
+    runner, errors, loops = make(3, steps_per_loop=8)
     done = []
     lock = threading.Lock()
 
     def task(replica):
-        time.sleep(0.01)
         with lock:
             done.append(replica)
 
-    assert pool.submit([task] * 12)
-    pool.drain()
-    assert len(done) == 12 and pool.in_flight == 0
+    runner.submit([task] * 48)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert len(done) == 48 and runner.pending() == 0 and not errors
+    # 48 shards over loops of up to 8: at most 6 full calls, plus one open
+    # call per thread still waiting for more.
+    assert runner.loop_calls <= 48 // 8 + 3
+    loops.stop()
+    assert loops.threads() == []
+    assert loops.states() == [ReplicaState.STOPPED] * 3
+
+
+def test_idle_loops_stop_by_themselves(monkeypatch):
+    monkeypatch.setattr(workers, "IDLE_SECONDS", 0.2)
+    runner, errors, loops = make(2)
+    idle = []
+    runner.submit([lambda r: None] * 4)
+    loops.start(on_idle=lambda: idle.append(True))
     deadline = time.monotonic() + 5
-    while pool.threads() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert pool.threads() == []
+    while loops.threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loops.threads() == [] and idle == [True]
+    assert runner.pending() == 0
 
 
-def test_error_is_raised_once_in_the_caller_as_raised():
-    pool = WorkerPool(2, name="pool-test")
+def test_error_is_handed_over_as_raised_and_nothing_blocks():
+    runner, errors, loops = make(2)
 
     class Boom(Exception):
         pass
@@ -36,44 +123,57 @@ def test_error_is_raised_once_in_the_caller_as_raised():
     def bad(replica):
         raise Boom("replica failed")
 
-    pool.submit([bad])
-    with pytest.raises(Boom, match="replica failed"):
-        pool.drain()
-    pool.drain()  # raised once, then cleared
-    pool.shutdown()
-    assert pool.threads() == []
-
-
-def test_submit_does_not_hang_when_workers_died():
-    pool = WorkerPool(1, name="pool-test", queue_size=1)
-
-    def bad(replica):
-        raise RuntimeError("dead")
-
+    runner.submit([bad] + [lambda r: time.sleep(0.01)] * 10)
+    loops.start()
     start = time.monotonic()
-    ok = pool.submit([bad] + [lambda r: time.sleep(1)] * 5)
-    assert not ok and time.monotonic() - start < 5
-    with pytest.raises(RuntimeError, match="dead"):
-        pool.raise_error()
+    loops.wait_idle(failed=lambda: False)  # the others drop what is left
+    assert time.monotonic() - start < 5
+    assert len(errors) == 1 and isinstance(errors[0], Boom)
+    assert runner.pending() == 0  # the failed shard is counted too
+    assert ReplicaState.FAILED in loops.states()
+    loops.stop()
+    assert loops.threads() == []
+
+
+def test_a_base_exception_is_wrapped_with_its_cause():
+    runner, errors, loops = make(1)
+
+    def interrupted(replica):
+        raise KeyboardInterrupt
+
+    runner.submit([interrupted])
+    loops.start()
+    loops.wait_idle(failed=lambda: False)
+    loops.stop()
+    assert isinstance(errors[0], workers.WorkerError)
+    assert isinstance(errors[0].__cause__, KeyboardInterrupt)
 
 
 def test_max_staleness_holds_fast_replicas_back():
-    pool = WorkerPool(2, name="pool-test", queue_size=64, max_staleness=1)
+    runner, errors, loops = make(2, max_staleness=1)
     lock = threading.Lock()
     spread = []
 
     def task(replica):
         time.sleep(0.03 if replica == 0 else 0.001)
         with lock:
-            steps = pool.steps()
+            steps = runner.replica_steps()
             steps[replica] += 1  # this task is about to count
             spread.append(max(steps) - min(steps))
 
-    pool.submit([task] * 40)
-    pool.drain()
-    steps = pool.steps()
+    runner.submit([task] * 40)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    steps = runner.replica_steps()
     assert sum(steps) == 40
     # Replica 1 may run at most one step ahead of replica 0, plus the step it is on.
     assert max(spread) <= 2
-    assert abs(steps[0] - steps[1]) <= 2
-    assert pool.seconds_waited()[1] > 0
+    assert loops.seconds_waited()[1] > 0
+
+
+@pytest.mark.timeout(30)
+def test_stop_returns_when_threads_are_gone():
+    runner, errors, loops = make(2)
+    loops.stop()  # nothing started: nothing to wait for
+    assert loops.threads() == []

@@ -1,67 +1,67 @@
 """Input pipelines under the strategy.
 
-The strategy feeds whole host batches to its dispatch op, which splits them
-into one shard per update. So a dataset is not distributed over devices at
-all: `HostDataset` iterates the user's `tf.data.Dataset` on the host, from
-Python, which gives the strategy a point of contact with the caller's thread
-at every step (to raise a replica's error there, and to hold the caller back
-while the shard queue is full) without rebuilding a multi-device iterator
-every epoch.
+On one host the strategy feeds whole host batches to Keras' graph, which
+splits each into one shard per replica and queues the shards for the
+replicas' loops. A dataset is therefore not distributed over devices at all:
+`host_dataset` hands Keras the user's `tf.data.Dataset`, whose iterator
+Keras drives inside its own graph (so `steps_per_execution` runs many steps
+per call), ended early if a replica fails so that its error is raised at
+once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import tensorflow as tf
 
-__all__ = ["HostDataset", "HostIterator"]
+__all__ = ["group_replica_batches", "host_dataset"]
 
 
-class HostIterator:
-    """Iterates host batches; raises a replica's error promptly.
+def _check_dataset(dataset) -> None:
+    if not isinstance(dataset, tf.data.Dataset):
+        raise ValueError(
+            "tf_diffmap.Strategy distributes tf.data.Dataset objects, "
+            f"received {type(dataset).__name__}. Wrap arrays with "
+            "tf.data.Dataset.from_tensor_slices(...).batch(n) or pass them "
+            "to model.fit directly."
+        )
 
-    At the end of the data it raises `tf.errors.OutOfRangeError`, as a
-    distributed iterator's `get_next()` does, which is what Keras' training
-    loop expects from an iterator it drives from Python.
+
+def host_dataset(dataset: tf.data.Dataset, failed: tf.Variable) -> tf.data.Dataset:
+    """The user's batches as the strategy feeds them: whole, on the host.
+
+    Args:
+        dataset: batches of the global batch size.
+        failed: the strategy's failure flag; the data ends while it is set,
+            so that a replica's error ends the epoch and is raised where the
+            caller next reads the model (the epoch's end), not later.
+
+    Returns:
+        A `tf.data.Dataset` of the same elements.
     """
-
-    def __init__(self, dataset: tf.data.Dataset, before_next: Callable[[], None]):
-        self._iterator = iter(dataset)
-        self._before_next = before_next
-        self.element_spec = dataset.element_spec
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self._before_next()
-        try:
-            return next(self._iterator)
-        except StopIteration:
-            raise tf.errors.OutOfRangeError(None, None, "End of sequence") from None
-
-    def get_next(self):
-        return next(self)
+    _check_dataset(dataset)
+    return dataset.take_while(lambda *_: tf.logical_not(failed.read_value()))
 
 
-class HostDataset:
-    """A `tf.data.Dataset` as the strategy sees it: whole batches on the host."""
+def group_replica_batches(dataset: tf.data.Dataset, num_replicas: int) -> tf.data.Dataset:
+    """Joins each run of `num_replicas` per-replica batches into one batch.
 
-    def __init__(self, dataset: tf.data.Dataset, before_next: Callable[[], None]):
-        if not isinstance(dataset, tf.data.Dataset):
-            raise ValueError(
-                "tf_diffmap.Strategy distributes tf.data.Dataset objects, "
-                f"received {type(dataset).__name__}. Wrap arrays with "
-                "tf.data.Dataset.from_tensor_slices(...).batch(n) or pass them "
-                "to model.fit directly."
-            )
-        self.dataset = dataset
-        self._before_next = before_next
+    A dataset function makes per-replica batches
+    (`InputContext.get_per_replica_batch_size`); the strategy splits every
+    batch it is fed into one shard per replica, so each group of
+    `num_replicas` consecutive batches becomes one batch whose shards are
+    those per-replica batches again (the last group may be smaller).
+    """
+    _check_dataset(dataset)
+    if num_replicas == 1:
+        return dataset
 
-    @property
-    def element_spec(self):
-        return self.dataset.element_spec
+    def join(*components):
+        def merge(tensor):
+            if isinstance(tensor, tf.RaggedTensor):
+                return tensor.merge_dims(0, 1)
+            return tf.reshape(tensor, tf.concat([[-1], tf.shape(tensor)[2:]], 0))
 
-    def __iter__(self) -> HostIterator:
-        return HostIterator(self.dataset, self._before_next)
+        joined = tf.nest.map_structure(merge, components)
+        return joined if len(joined) > 1 else joined[0]
+
+    return dataset.ragged_batch(num_replicas).map(join)

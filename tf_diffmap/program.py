@@ -2,8 +2,9 @@
 
 `Program` traces the function Keras hands to `strategy.run` once per replica
 device, in a helper thread, and builds what Keras' graph runs: for a training
-step a dispatch op that queues one shard per replica and returns recent
-outputs; for any other step a synchronous call on the first replica device.
+step native ops that queue one shard per replica for the replicas' loops
+(`tf_diffmap.loops`) and return recent outputs; for any other step a
+synchronous call on the first replica device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.loops import ShardChannel, loop_function
 from tf_diffmap.step import StepState, tracing_step
+from tf_diffmap.workers import ReplicaLoops
 
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
@@ -92,13 +95,13 @@ class Program:
             self.static_leaves[i] = None
         self.specs = specs
         self.trains = False
-        # Outputs of the most recently finished step since the last drain,
-        # and of any step; whether one has finished since the last drain
-        # (a variable: Keras' graph reads it where no op may wait).
-        self.latest: list | None = None
-        self.last: list | None = None
+        self.channel: ShardChannel | None = None
+        self.loops: ReplicaLoops | None = None
+        # Whether a step has finished since the last drain (Keras' graph reads
+        # it to choose between a first step and a plain dispatch), and the
+        # outputs of the most recently finished replica step.
         self.fresh: tf.Variable | None = None
-        self._fresh = False  # what `fresh` holds, so that a drain sets it once
+        self.output_variables: list[tf.Variable] = []
         self._trace(fn)
 
     def _pack(self, tensors):
@@ -136,10 +139,6 @@ class Program:
 
         def trace():
             try:
-                if not extended.graph_may_wait():
-                    # Made here, outside the strategy's scope: not a store variable.
-                    with tf.device("/device:CPU:0"):
-                        self.fresh = tf.Variable(False, trainable=False, name="outputs_fresh")
                 install_summary_state()
                 keras.config.set_dtype_policy(dtype_policy)
                 with strategy.scope():
@@ -150,6 +149,9 @@ class Program:
                         )
                         if not result["trains"]:
                             break  # A synchronous step runs on the first device only.
+                if result["trains"]:
+                    # Made outside the strategy's scope: not store variables.
+                    self._make_feed()
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 result["error"] = error
 
@@ -169,20 +171,116 @@ class Program:
             raise error
         self.concrete = self.concretes[extended.replica_devices[0]]
         self.trains = result["trains"]
-        outputs, _ = self.concrete.structured_outputs
-        self.output_structure = outputs
+        if self.trains:
+            self.loops = ReplicaLoops(
+                self,
+                len(extended.replica_devices),
+                on_error=extended._replica_failed,
+                name="tf_diffmap",
+                steps_per_loop=extended.steps_per_loop,
+                max_staleness=extended.max_staleness,
+            )
+
+    def _output_specs(self):
+        outputs, _ = self.concretes[self.extended.replica_devices[0]].structured_outputs
         out_leaves = tf.nest.flatten(outputs)
-        self.output_positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
-        self.output_specs = [
-            tf.TensorSpec(out_leaves[i].shape, out_leaves[i].dtype) for i in self.output_positions
-        ]
-        self.static_outputs = [None if isinstance(o, tf.Tensor) else o for o in out_leaves]
+        positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
+        return outputs, out_leaves, positions
+
+    @property
+    def output_structure(self):
+        return self._output_specs()[0]
+
+    def _flat_outputs(self, outputs) -> list[tf.Tensor]:
+        flat = tf.nest.flatten(outputs)
+        return [flat[i] for i in self._output_specs()[2]]
 
     def _pack_outputs(self, tensors):
-        leaves = list(self.static_outputs)
-        for i, tensor in zip(self.output_positions, tensors):
+        structure, leaves, positions = self._output_specs()
+        leaves = [None if isinstance(o, tf.Tensor) else o for o in leaves]
+        for i, tensor in zip(positions, tensors):
             leaves[i] = tensor
-        return tf.nest.pack_sequence_as(self.output_structure, leaves)
+        return tf.nest.pack_sequence_as(structure, leaves)
+
+    def _make_feed(self) -> None:
+        """The queue, the loop functions and the variables they share."""
+        extended = self.extended
+        host = extended._store.host
+        name = f"tf_diffmap_{len(extended._programs)}"
+        self.channel = ShardChannel(self.specs, extended.queue_size, host, name)
+        _, leaves, positions = self._output_specs()
+        with tf.init_scope(), tf.device(host):
+            self.fresh = tf.Variable(False, trainable=False, name=f"{name}_fresh")
+            for i in positions:
+                spec = leaves[i]
+                shape = [d if d is not None else 0 for d in (spec.shape.as_list() or [])]
+                self.output_variables.append(
+                    tf.Variable(
+                        tf.zeros(shape, spec.dtype)
+                        if spec.shape.rank is not None
+                        else tf.zeros([], spec.dtype),
+                        trainable=False,
+                        shape=tf.TensorShape(None)
+                        if not spec.shape.is_fully_defined()
+                        else spec.shape,
+                        name=f"{name}_output_{i}",
+                    )
+                )
+        loop = loop_function(self.channel, self._apply_shard, self._skip_shard)
+        self.loop_concretes = {}
+        for device in dict.fromkeys(extended.replica_devices):
+            with tf.device(device):
+                concrete = tf.function(loop, autograph=False).get_concrete_function(
+                    tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32)
+                )
+            # A first call (of no steps) prepares the function for running
+            # here, once, rather than in each replica's first loop call.
+            concrete(tf.constant(0, tf.int32), tf.constant(0, tf.int32))
+            self.loop_concretes[device] = concrete
+
+    # -- one replica step with its bookkeeping (in a graph) --------------------
+
+    def _run_replica_step(self, replica_id, shard):
+        """Calls the replica's step; returns its outputs, then counts it done.
+
+        A step counts itself completed once it has finished writing (the
+        claims it made, read after its updates), and leaves its outputs where
+        Keras' graph reads the latest ones.
+        """
+        extended = self.extended
+        store = extended._store
+        before = store.claims_of(replica_id)
+        with tf.control_dependencies([before]):
+            outputs, claims = self._call_step(replica_id, shard)
+        flat = self._flat_outputs(outputs)
+        with tf.control_dependencies([claims, *flat]), tf.device(store.host):
+            done = [
+                store.completed.assign_add(claims - before, read_value=False),
+                extended.replica_steps_variable.scatter_nd_add(
+                    tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
+                ),
+                *(v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)),
+            ]
+        return outputs, tf.group(done)
+
+    def _call_step(self, replica_id, shard):
+        devices = list(dict.fromkeys(self.extended.replica_devices))
+        if len(devices) == 1:
+            return self.concretes[devices[0]](replica_id, *shard)
+        device_of = tf.constant([devices.index(d) for d in self.extended.replica_devices], tf.int32)
+        branches = [
+            functools.partial(lambda c: c(replica_id, *shard), self.concretes[d]) for d in devices
+        ]
+        return tf.switch_case(tf.gather(device_of, replica_id), branches)
+
+    def _apply_shard(self, replica_id, shard) -> tf.Operation:
+        _, done = self._run_replica_step(replica_id, shard)
+        return done
+
+    def _skip_shard(self, shard) -> tf.Tensor:
+        examples = batch_size(shard)
+        empty = tf.constant(False) if examples is None else tf.equal(examples, 0)
+        return tf.logical_or(empty, self.extended.failed.read_value())
 
     # -- in Keras' graph --------------------------------------------------
 
@@ -198,136 +296,78 @@ class Program:
     def dispatch_in_graph(self, args, kwargs):
         """An asynchronous step: queue the shards, return recent outputs.
 
-        The first step after a drain has no recent outputs to return. The
-        dispatch op then waits for the first of its shards to finish, which
-        holds one of TensorFlow's inter-op threads while the workers' steps
-        run on the others. With a single inter-op thread (as on a one-CPU
-        host) that wait would never end, so there no op waits for a worker
-        at all: the first step after a drain runs its first shard right here in
-        Keras' graph, as replica 0, returns that shard's outputs, and queues
-        the other shards once it has finished.
+        The first step after a drain has no recent outputs to return, and no
+        replica loop runs: it applies its first shard right here in Keras'
+        graph (on the replica with the most steps, or under `max_staleness`
+        the fewest), starts the loops and queues the other shards. Every
+        later step only queues its shards and reads the latest outputs. No op
+        here waits for a replica (a full queue holds the enqueue back without
+        holding a thread).
         """
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
         shards = split_in_graph(tensors, len(self.extended.replica_devices))
-        if self.extended.graph_may_wait():
-            flat = self._dispatch_in_graph(shards)
-        else:
-            flat = tf.cond(
-                self.fresh.read_value(),
-                lambda: self._dispatch_in_graph(shards),
-                lambda: self._first_step_in_graph(shards),
-            )
-        # Both ways end with the flag of their host-side work, so that a
-        # step without tensor outputs still runs it.
+        flat = tf.cond(
+            self.fresh.read_value(),
+            lambda: self._dispatch_in_graph(shards),
+            lambda: self._first_step_in_graph(shards),
+        )
+        # Both ways end with a flag, so that a step without tensor outputs
+        # still runs them.
         return self._pack_outputs(flat[:-1])
 
     def _first_step_in_graph(self, shards):
-        outputs, claims = self.concrete(tf.constant(0, tf.int32), *shards[0])
-        flat = tf.nest.flatten(outputs)
-        flat = [flat[i] for i in self.output_positions]
-        rest = [t for shard in shards[1:] for t in shard]
-        queued = tf.py_function(
-            self._finish_first_step, [claims, *flat, *rest], tf.bool, name="tf_diffmap_queue_rest"
-        )
-        queued.set_shape([])
-        return [*flat, queued]
+        extended = self.extended
+        steps = extended.replica_steps_variable.read_value()
+        pick = tf.argmin if extended.max_staleness is not None else tf.argmax
+        replica_id = tf.cast(pick(steps), tf.int32)
+        outputs, done = self._run_replica_step(replica_id, shards[0])
+        with tf.control_dependencies([done]):
+            marked = self.fresh.assign(True, read_value=False)
+        with tf.control_dependencies([marked]):
+            started = tf.py_function(self._start_loops, [], tf.bool, name="tf_diffmap_start_loops")
+        with tf.control_dependencies([started]):
+            queued = self.channel.put(shards[1:])
+        flat = self._flat_outputs(outputs)
+        with tf.control_dependencies([queued]):
+            return [*(tf.identity(t) for t in flat), tf.constant(True)]
 
     def _dispatch_in_graph(self, shards):
-        flat = tf.py_function(
-            self._dispatch,
-            [t for shard in shards for t in shard],
-            [*(s.dtype for s in self.output_specs), tf.bool],
-            name="tf_diffmap_dispatch",
-        )
-        for tensor, spec in zip(flat, [*self.output_specs, tf.TensorSpec([], tf.bool)]):
-            tensor.set_shape(spec.shape)
-        return list(flat)
+        queued = self.channel.put(shards)
+        with tf.control_dependencies([queued]):
+            return [*(v.read_value() for v in self.output_variables), tf.constant(True)]
 
-    # -- in the dispatch ops (eager, on a TensorFlow thread; never waiting) --
+    # -- from Python ----------------------------------------------------------
 
     def _drain(self):
-        extended = self.extended
-        pool = extended._pool
-        if pool.in_flight and not extended.graph_may_wait():
-            raise RuntimeError(
-                f"A step that reads the whole model runs while {pool.in_flight} "
-                "replica steps are still queued or running, and TensorFlow has a "
-                "single inter-op thread: waiting for them inside this step would "
-                "hold the thread they need. Call `strategy.drain()` before this "
-                "step, or give TensorFlow two or more inter-op threads "
-                "(`tf.config.threading.set_inter_op_parallelism_threads(2)` "
-                "before anything runs)."
-            )
-        pool.wait_for(lambda: pool.in_flight == 0)
+        self.extended._drain_from_graph()
         return True
 
-    def _finish_first_step(self, claims, *tensors):
-        extended = self.extended
-        extended._complete_claims(0, int(claims))
-        outputs = len(self.output_positions)
-        self.latest = self.last = list(tensors[:outputs])
-        self.fresh.assign(True)
-        self._fresh = True
-        extended._first_step_open = False
-        self._queue(self._shards(tensors[outputs:]))
+    def _start_loops(self):
+        self.loops.start(on_idle=self.mark_drained)
         return True
-
-    def _dispatch(self, *tensors):
-        pool = self.extended._pool
-        queued = self._queue(self._shards(tensors))
-        if self.extended.graph_may_wait():
-            if queued:
-                pool.wait_for(lambda: self.latest is not None)
-            outputs = self.latest
-        else:
-            # A step has finished since the drain (or the workers were just
-            # drained from another thread, and `last` is still the latest).
-            outputs = self.latest if self.latest is not None else self.last
-        if outputs is None:
-            # Only after a replica failed before any step finished: the
-            # caller's thread raises that error before the next batch.
-            outputs = [
-                tf.zeros([d if d is not None else 0 for d in s.shape], s.dtype)
-                for s in self.output_specs
-            ]
-        return [*outputs, True]
 
     def mark_drained(self) -> None:
-        """After a drain (caller's thread): the next step reports fresh outputs."""
-        self.latest = None
-        if self._fresh:
-            self._fresh = False
+        """Nothing in flight: the next step is a first step again."""
+        if self.fresh is not None:
             self.fresh.assign(False)
-            self.extended._first_step_open = True
 
-    def _shards(self, tensors):
-        per_shard = len(self.tensor_positions)
-        shards = [list(tensors[i : i + per_shard]) for i in range(0, len(tensors), per_shard)]
-        # A batch smaller than the number of replicas leaves some empty.
-        return [shard for shard in shards if not is_empty(shard)]
+    def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """One call of the replica's loop function (in its worker thread)."""
+        concrete = self.loop_concretes[self.extended.replica_devices[replica_id]]
+        taken, stopped = concrete(
+            tf.constant(replica_id, tf.int32), tf.constant(max_steps, tf.int32)
+        )
+        return int(taken), bool(stopped)
 
-    def _queue(self, shards) -> bool:
-        """Queues shards; False when a worker has failed."""
-        if not shards:
-            return True
-        tasks = [functools.partial(self._run_shard, shard) for shard in shards]
-        # The caller's thread waits for room before each batch; here, where
-        # waiting could hold the workers' only inter-op thread, only if not.
-        return self.extended._pool.submit(tasks, block=self.extended.graph_may_wait())
+    def pending(self) -> int:
+        return self.channel.pending()
 
-    # -- in a worker thread ---------------------------------------------------
+    def send_stops(self, count: int) -> None:
+        self.channel.send_stops(count)
 
-    def _run_shard(self, shard, replica_id: int) -> None:
-        concrete = self.concretes[self.extended.replica_devices[replica_id]]
-        try:
-            outputs, claims = concrete(tf.constant(replica_id, tf.int32), *shard)
-        except BaseException:
-            # Whether it claimed a version is unknown: count again once idle.
-            self.extended._resync_completed = True
-            raise
-        # The step has finished writing: later reads see its update (a step
-        # whose update was skipped, e.g. for non-finite gradients, claimed none).
-        self.extended._complete_claims(replica_id, int(claims))
-        flat = tf.nest.flatten(outputs)
-        self.latest = self.last = [flat[i] for i in self.output_positions]
+    def count_failed(self) -> None:
+        self.channel.count_failed()
+
+    def replica_steps(self) -> list[int]:
+        return self.extended.replica_steps()

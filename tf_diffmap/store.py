@@ -111,7 +111,10 @@ class ParameterStore:
             kwargs_for_size = kwargs
         device = self.device_for(kwargs_for_size)
         kwargs.pop("colocate_with", None)
-        with tf.device(device):
+        # A variable made lazily inside a replica step (Keras builds optimizer
+        # slots and metric totals at their first use) must not inherit the
+        # step's control dependencies: its initializer is lifted out of it.
+        with tf.control_dependencies(None), tf.device(device):
             variable = next_creator(**kwargs)
         if self._on_host_access is not None:
             variable = _tf_internal.StoreVariable.adopt(variable, self._on_host_access)

@@ -7,18 +7,19 @@ How a training step flows:
    thread (a clean context: Keras' trace has lifted scopes that would stop the
    gradient tape), as a concrete *replica step* placed on that device, taking a
    replica id and one shard. Replicas on one device share it; concurrent calls
-   are separate executions, so nothing serializes the replicas.
+   are separate executions, so nothing serializes the replicas. Around it, a
+   *replica loop* per device (`tf_diffmap.loops`) takes shards from a
+   TensorFlow queue and applies them, up to K per call.
 3. In Keras' graph the strategy splits the host batch into one shard per
-   replica and leaves one dispatch op (`tf.py_function`) that queues the
-   shards and returns without waiting for them: it hands back the outputs
-   (metrics) of the most recently completed step. The first step after a
-   drain has none yet: it runs its first shard in Keras' graph, as replica 0,
-   and queues the others once that shard is done. No op of Keras' graph ever
-   waits for a worker (it would hold an inter-op thread the workers need).
-4. A worker runs the replica step: read the store version, forward and
-   backward, claim a new version (its staleness is the difference), apply its
-   own gradient to the store with update ops on the store's devices.
-5. Before anything reads the model as a whole, the workers are drained.
+   replica and queues the shards with native ops, returning the outputs
+   (metrics) of the most recently completed replica step. The first step
+   after a drain has none yet: it applies its first shard right there in
+   Keras' graph, starts the replicas' threads, and queues the others. No op
+   of Keras' graph ever waits for a replica.
+4. A replica step reads the store version, runs forward and backward, claims
+   a new version (its staleness is the difference), and applies its own
+   gradient to the store with update ops on the store's devices.
+5. Before anything reads the model as a whole, the loops are drained.
 
 A step that applies no update (evaluate, predict) runs synchronously, in
 Keras' graph, on the first replica device.
@@ -33,14 +34,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal
+from tf_diffmap import _tf_internal, inputs
 from tf_diffmap.devices import default_replica_devices, inter_op_threads, resolve_devices
-from tf_diffmap.inputs import HostDataset
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
 from tf_diffmap.store import ParameterStore
-from tf_diffmap.workers import WorkerPool
 
 __all__ = ["Strategy", "current_step"]
 
@@ -57,65 +56,101 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         parameter_devices: list[str],
         max_staleness: int | None,
         queue_size: int | None,
+        steps_per_loop: int,
     ):
         super().__init__(container_strategy)
         self.replica_devices = replica_devices
         self.parameter_devices_list = parameter_devices
+        self.max_staleness = max_staleness
+        self.queue_size = queue_size or 2 * len(replica_devices)
+        self.steps_per_loop = steps_per_loop
         self._store = ParameterStore(
             parameter_devices, len(replica_devices), on_host_access=self._on_host_access
         )
-        self._pool = WorkerPool(
-            len(replica_devices),
-            name="tf_diffmap",
-            queue_size=queue_size,
-            max_staleness=max_staleness,
-        )
+        with tf.init_scope(), tf.device(self._store.host):
+            # Set while a replica's error waits to be raised: the loops drop
+            # what they take, and the input pipelines end.
+            self.failed = tf.Variable(False, trainable=False, name="replica_failed")
+            self.replica_steps_variable = tf.Variable(
+                tf.zeros([len(replica_devices)], tf.int64),
+                trainable=False,
+                name="replica_steps",
+            )
         self._programs: dict[Any, Program] = {}
-        self._resync_completed = False
-        # A first step runs in Keras' graph; if it fails, its claims are
-        # counted again before the next batch (see `Program.dispatch_in_graph`).
-        self._first_step_open = False
-        self._claims_seen = [0] * len(replica_devices)
-        self._claims_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
         # An op that waits for a worker holds one of TensorFlow's inter-op
         # threads while it waits; the workers' steps need another.
         self._graph_may_wait = inter_op_threads() >= 2
         self._store_variable_ids: set[int] = set()
 
-    # -- drain --------------------------------------------------------------
+    # -- drain and errors ---------------------------------------------------
+
+    def _training_programs(self) -> list[Program]:
+        return [p for p in list(self._programs.values()) if p.trains]
 
     def _on_host_access(self) -> None:
-        if self._pool.in_worker():
+        if any(p.loops.in_worker() for p in self._training_programs()):
             return
-        self._pool.drain()
-        # Whoever reads the model as a whole (an epoch's end, a metrics reset)
-        # starts a new stretch: the next step reports fresh outputs.
-        for program in self._programs.values():
-            program.mark_drained()
+        self.drain()
 
-    def _complete_claims(self, replica_id: int, claims: int) -> None:
-        """Counts a replica's finished claims as completed."""
-        with self._claims_lock:
-            for _ in range(claims - self._claims_seen[replica_id]):
-                self._store.complete()
-            self._claims_seen[replica_id] = max(claims, self._claims_seen[replica_id])
+    def drain(self) -> None:
+        """Waits for every queued shard, stops the loops, raises an error."""
+        for program in self._training_programs():
+            if program.loops.running() or program.pending():
+                program.loops.wait_idle(failed=lambda: self._error is not None)
+                program.loops.stop()
+                program.mark_drained()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raises, once, the first error of a replica (after stopping all loops)."""
+        if self._error is None:
+            return
+        for program in self._training_programs():
+            program.loops.stop()  # The failure flag is still set: they drop what is left.
+            program.channel.resync()
+            program.mark_drained()
+        # A failed step may have claimed a version without completing it.
+        self._store.resync_completed()
+        with self._error_lock:
+            error, self._error = self._error, None
+        self.failed.assign(False)
+        if error is not None:
+            raise error
+
+    def _replica_failed(self, error: BaseException) -> None:
+        """A replica's loop raised (called from its thread)."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+        self.failed.assign(True)
+
+    def _drain_from_graph(self) -> None:
+        """A drain asked for by a step in a graph (evaluate, predict)."""
+        in_flight = sum(p.pending() for p in self._training_programs())
+        if in_flight and not self._graph_may_wait:
+            raise RuntimeError(
+                f"A step that reads the whole model runs while {in_flight} "
+                "replica steps are still queued or running, and TensorFlow has a "
+                "single inter-op thread: waiting for them inside this step would "
+                "hold the thread they need. Call `strategy.drain()` before this "
+                "step, or give TensorFlow two or more inter-op threads "
+                "(`tf.config.threading.set_inter_op_parallelism_threads(2)` "
+                "before anything runs)."
+            )
+        self.drain()
 
     def graph_may_wait(self) -> bool:
         """Whether an op in a graph may wait for the workers."""
         return self._graph_may_wait
 
-    def _before_next_batch(self) -> None:
-        # Called in the caller's thread before each batch: a replica's error
-        # surfaces here, and the caller waits while the queue cannot take the
-        # batch's shards, so that the dispatch op itself never blocks on it.
-        self._pool.raise_error()
-        if (self._resync_completed or self._first_step_open) and self._pool.in_flight == 0:
-            self._store.resync_completed()
-            self._claims_seen = self._store.claims_per_replica()
-            self._resync_completed = self._first_step_open = False
-        room = self._pool.queue_size - len(self.replica_devices)
-        self._pool.wait_for(lambda: self._pool.queued <= max(room, 0))
-        self._pool.raise_error()
+    def in_flight(self) -> int:
+        """Shards queued or being applied, over every training program."""
+        return sum(p.pending() for p in self._training_programs())
+
+    def replica_steps(self) -> list[int]:
+        return [int(s) for s in self.replica_steps_variable.numpy()]
 
     # -- variables ----------------------------------------------------------
 
@@ -180,19 +215,21 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def _run_eagerly(self, fn, args, kwargs):
         """`run_eagerly=True` and eager `strategy.run`: one replica, in order."""
-        self._pool.drain()
+        self.drain()
         strategy = self._container_strategy()
         with (
             tf.device(self.replica_devices[0]),
             tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
         ):
             leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if is_tensor(leaf)]
+            before = self._store.claims_of(0)
             state = StepState(self._store, tf.constant(0, tf.int32), batch_size(leaves))
             with tracing_step(state):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
             if state.claimed:
-                self._complete_claims(0, int(self._store.claims_of(0)))
+                self._store.completed.assign_add(self._store.claims_of(0) - before)
+                self.replica_steps_variable.scatter_nd_add([[0]], [1])
         return outputs
 
     @staticmethod
@@ -238,9 +275,6 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if program is None:
             program = Program(self, fn, args, kwargs)
             self._programs[key] = program
-            if program.trains and not self._graph_may_wait:
-                # Its first step runs in Keras' graph (see `Program.dispatch_in_graph`).
-                self._first_step_open = True
         return program
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
@@ -318,7 +352,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     # -- datasets -------------------------------------------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
-        return HostDataset(dataset, self._before_next_batch)
+        return inputs.host_dataset(dataset, self.failed)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         context = tf.distribute.InputContext(
@@ -326,7 +360,10 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             input_pipeline_id=0,
             num_replicas_in_sync=len(self.replica_devices),
         )
-        return HostDataset(dataset_fn(context), self._before_next_batch)
+        return inputs.host_dataset(
+            inputs.group_replica_batches(dataset_fn(context), len(self.replica_devices)),
+            self.failed,
+        )
 
     def _experimental_distribute_values_from_function(self, value_fn):
         raise NotImplementedError(
@@ -386,6 +423,10 @@ class Strategy(_tf_internal.StrategyBase):
             (default) is fully asynchronous; 0 is lock-step.
         queue_size: shards that may wait for a free replica; defaults to two
             per replica.
+        steps_per_loop: K, the most shards a replica applies in one call of
+            its loop function before Python sees it again (under
+            `max_staleness`, 1). Larger K costs no latency: a loop takes
+            shards as they come and returns early only when stopped.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an
@@ -410,6 +451,7 @@ class Strategy(_tf_internal.StrategyBase):
         replicas_per_device: int = 1,
         max_staleness: int | None = None,
         queue_size: int | None = None,
+        steps_per_loop: int = 32,
     ):
         _tf_internal.check_compatibility()
         if (
@@ -429,6 +471,12 @@ class Strategy(_tf_internal.StrategyBase):
                 "max_staleness must be None (fully asynchronous) or an int >= 0 "
                 f"(0 is lock-step), received {max_staleness!r}."
             )
+        if (
+            isinstance(steps_per_loop, bool)
+            or not isinstance(steps_per_loop, int)
+            or steps_per_loop < 1
+        ):
+            raise ValueError(f"steps_per_loop must be an int >= 1, received {steps_per_loop!r}.")
         if queue_size is not None and (not isinstance(queue_size, int) or queue_size < 1):
             raise ValueError(f"queue_size must be an int >= 1, received {queue_size!r}.")
         if devices is None:
@@ -445,7 +493,9 @@ class Strategy(_tf_internal.StrategyBase):
                 f"queue_size must hold at least one shard per replica ({len(replicas)}), "
                 f"received {queue_size}."
             )
-        super().__init__(_AsyncExtended(self, replicas, parameters, max_staleness, queue_size))
+        super().__init__(
+            _AsyncExtended(self, replicas, parameters, max_staleness, queue_size, steps_per_loop)
+        )
 
     # -- what a user reads ----------------------------------------------------
 
@@ -462,7 +512,12 @@ class Strategy(_tf_internal.StrategyBase):
     @property
     def max_staleness(self) -> int | None:
         """The Stale Synchronous Parallel bound, or None."""
-        return self.extended._pool.max_staleness
+        return self.extended.max_staleness
+
+    @property
+    def steps_per_loop(self) -> int:
+        """K: the most shards one call of a replica's loop applies."""
+        return self.extended.steps_per_loop
 
     @property
     def version(self) -> int:
@@ -477,15 +532,16 @@ class Strategy(_tf_internal.StrategyBase):
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
         self.extended._store.reset_statistics()
-        self.extended._claims_seen = [0] * len(self.replica_devices)
 
     def drain(self) -> None:
         """Waits until every dispatched shard has been applied.
 
+        The replicas' threads stop; the next training step starts them again.
+
         Raises:
             Exception: the exception a replica's step raised, if one did.
         """
-        self.extended._pool.drain()
+        self.extended.drain()
 
     def shutdown(self) -> None:
         """Drops queued shards and stops the worker threads now.
@@ -493,19 +549,30 @@ class Strategy(_tf_internal.StrategyBase):
         Threads also stop by themselves a second after their last shard, and
         start again with the next step.
         """
-        self.extended._pool.shutdown()
+        extended = self.extended
+        extended.failed.assign(True)  # The loops drop what is still queued.
+        try:
+            for program in extended._training_programs():
+                program.loops.stop()
+                program.mark_drained()
+        finally:
+            if extended._error is None:
+                extended.failed.assign(False)
 
     def worker_threads(self) -> list[threading.Thread]:
         """The worker threads alive now (for tests and diagnostics)."""
-        return self.extended._pool.threads()
+        return [t for p in self.extended._training_programs() for t in p.loops.threads()]
 
     def seconds_held_back(self) -> list[float]:
         """Per replica, the time `max_staleness` kept it waiting for others."""
-        return self.extended._pool.seconds_waited()
+        waited = [0.0] * len(self.replica_devices)
+        for program in self.extended._training_programs():
+            waited = [a + b for a, b in zip(waited, program.loops.seconds_waited())]
+        return waited
 
     def replica_steps(self) -> list[int]:
         """Steps (shards) each replica has completed since the strategy began."""
-        return self.extended._pool.steps()
+        return self.extended.replica_steps()
 
     def __repr__(self) -> str:
         return (

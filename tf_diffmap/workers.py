@@ -1,51 +1,82 @@
-"""Per-replica worker threads, the shard queue, draining and errors.
+"""Per-replica threads that run the replicas' loops, and what they share.
 
-Each replica is one Python thread bound to one replica id. Shards wait in one
-bounded queue that every worker takes from, so a slow replica simply takes
-fewer shards and nobody waits at a barrier. TensorFlow releases the GIL while
-a function runs, so the workers' steps overlap.
+Each replica is one Python thread bound to one replica id. The thread calls
+its replica's *loop function* (see `tf_diffmap.loops`), a TensorFlow function
+that takes up to K shards, one after the other, from a queue that every
+replica shares, applies each as one replica step and returns once. Python
+thus touches a replica once per K shards, and a slow replica simply takes
+fewer shards: nobody waits at a barrier. TensorFlow releases the GIL while a
+function runs, so the loops overlap.
 
-One lock guards the pool and two conditions share it, so that each event
-wakes only the threads it concerns: queued shards wake as many idle workers as
-there are new shards, and a shard taken or finished wakes the callers' threads
-(waiting for room in the queue, for outputs, or for the pool to drain), never
-the other workers.
+A thread's life, one `ReplicaState` each::
 
-A worker's exception is kept as raised (not as TensorFlow's wrapped error),
-the queue is cleared so that nothing blocks on it, and the exception is raised
-in the caller's thread at its next contact with the pool.
+    STOPPED --start()--> RUNNING --STOP item taken while stopping--> STOPPED
+    RUNNING --its loop raised--> FAILED --the error was raised--> STOPPED
+
+A FAILED thread keeps calling its loop, which then drops what it takes (the
+strategy's failure flag is set), so that nothing that feeds the queue ever
+blocks on a failed replica. Under `max_staleness` the thread asks for one
+shard at a time and only while its replica is within the bound.
 """
 
 from __future__ import annotations
 
-import collections
+import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
-__all__ = ["WorkerPool", "WorkerError"]
+__all__ = ["LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
 
-Task = Callable[[int], Any]
-
-# How long a worker with nothing to do stays alive. Threads restart on the next
-# dispatch, so an interrupted `fit` leaves no thread behind for longer than this.
-IDLE_SECONDS = 1.0
-# How often blocked calls look again for errors and shutdown.
+# How often blocked callers look again for errors, progress and idleness.
 POLL_SECONDS = 0.05
+# Loops with nothing queued for this long stop their threads; the next step
+# starts them again, so an interrupted `fit` leaves no thread behind.
+IDLE_SECONDS = 1.0
 
 
 class WorkerError(RuntimeError):
     """A replica failed for a reason that is not an `Exception` of its own."""
 
 
-class WorkerPool:
-    """Runs tasks on per-replica threads, asynchronously.
+class ReplicaState(enum.Enum):
+    """Where one replica's thread is (transitions in the module docstring)."""
+
+    STOPPED = "stopped"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+class LoopRunner(Protocol):
+    """What `ReplicaLoops` drives: one program's queue and loop functions."""
+
+    def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """Applies up to `max_steps` queued shards; returns (taken, stopped)."""
+
+    def pending(self) -> int:
+        """Shards queued or being applied."""
+
+    def send_stops(self, count: int) -> None:
+        """Queues `count` STOP items (one ends one loop)."""
+
+    def count_failed(self) -> None:
+        """Counts as done the shard a loop was applying when it raised."""
+
+    def replica_steps(self) -> Sequence[int]:
+        """Steps each replica has completed (the store's own count)."""
+
+
+class ReplicaLoops:
+    """Threads running one program's replica loops, asynchronously.
 
     Args:
-        num_replicas: how many worker threads (one per replica id).
+        runner: the program's queue and loop functions.
+        num_replicas: how many threads (one per replica id).
+        on_error: called (from the failing thread) with the first error of a
+            replica, before the thread goes on dropping shards.
         name: prefix of the threads' names.
-        queue_size: how many shards may wait; `submit` blocks beyond that.
+        steps_per_loop: K, the most shards one loop call applies.
         max_staleness: Stale Synchronous Parallel bound: a replica does not
             start a step while it is more than this many completed steps ahead
             of the slowest replica. `None` means no bound.
@@ -53,218 +84,175 @@ class WorkerPool:
 
     def __init__(
         self,
+        runner: LoopRunner,
         num_replicas: int,
+        on_error: Callable[[BaseException], None],
         name: str = "tf_diffmap",
-        queue_size: int | None = None,
+        steps_per_loop: int = 32,
         max_staleness: int | None = None,
     ):
+        self.runner = runner
         self.num_replicas = num_replicas
         self.name = name
-        self.queue_size = queue_size or 2 * num_replicas
+        self.steps_per_loop = steps_per_loop
         self.max_staleness = max_staleness
+        self._on_error = on_error
         self._lock = threading.Lock()
-        # Workers wait here for shards (and, under max_staleness, for the
-        # slowest replica to catch up).
-        self._work = threading.Condition(self._lock)
-        # Callers (`submit`, `wait_for`, `drain`) wait here for progress.
+        # Held-back replicas wait here for the slowest one to move on.
         self._progress = threading.Condition(self._lock)
-        self._queue: collections.deque[Task] = collections.deque()
-        self._in_flight = 0
-        self._error: BaseException | None = None
+        # The idle monitor sleeps here between looks (woken by `stop`).
+        self._idle = threading.Condition(self._lock)
         self._threads: dict[int, threading.Thread] = {}
+        self._states = [ReplicaState.STOPPED] * num_replicas
         self._stopping = False
-        self._steps = [0] * num_replicas
         self._waited = [0.0] * num_replicas
+        self._monitor: threading.Thread | None = None
+        self._on_idle: Callable[[], None] | None = None
         self._local = threading.local()
 
-    # -- what the caller's thread uses ------------------------------------
+    # -- lifecycle (any thread but a worker's) --------------------------------
 
-    def in_worker(self) -> bool:
-        """Whether the current thread is one of this pool's workers."""
-        return getattr(self._local, "replica_id", None) is not None
-
-    def submit(self, tasks: Sequence[Task], block: bool = True) -> bool:
-        """Queues tasks; blocks while the queue is full.
+    def start(self, on_idle: Callable[[], None] | None = None) -> None:
+        """Starts every replica's thread that is not running.
 
         Args:
-            tasks: callables taking the replica id.
-            block: False queues beyond `queue_size` rather than wait, for
-                callers that must not wait (the caller then keeps the queue
-                bounded itself, as the strategy does before each batch).
-
-        Returns:
-            False when a worker has failed (nothing more is queued then; the
-            error is raised by `raise_error`), True otherwise.
+            on_idle: called after the loops stopped because nothing was
+                queued for `IDLE_SECONDS`.
         """
         with self._lock:
+            if on_idle is not None:
+                self._on_idle = on_idle
             self._stopping = False
-            self._start_missing_threads()
-            added = 0
-            for task in tasks:
-                if block and len(self._queue) >= self.queue_size:
-                    self._wake_workers(added)
-                    added = 0
-                    while len(self._queue) >= self.queue_size and self._error is None:
-                        self._progress.wait(POLL_SECONDS)
-                        self._start_missing_threads()
-                if self._error is not None:
-                    return False
-                self._queue.append(task)
-                self._in_flight += 1
-                added += 1
-            self._wake_workers(added)
-        return True
+            for replica_id in range(self.num_replicas):
+                thread = self._threads.get(replica_id)
+                if thread is None or not thread.is_alive():
+                    self._states[replica_id] = ReplicaState.RUNNING
+                    thread = threading.Thread(
+                        target=self._run,
+                        args=(replica_id,),
+                        name=f"{self.name}-replica-{replica_id}",
+                        daemon=True,
+                    )
+                    self._threads[replica_id] = thread
+                    thread.start()
+            if self._monitor is None or not self._monitor.is_alive():
+                self._monitor = threading.Thread(
+                    target=self._watch_idle, name=f"{self.name}-idle", daemon=True
+                )
+                self._monitor.start()
 
-    def wait_for(self, predicate: Callable[[], bool]) -> bool:
-        """Waits until `predicate()` holds or a worker fails; True if it holds."""
-        with self._lock:
-            while not predicate():
-                if self._error is not None:
-                    return False
-                if not self._queue and not self._in_flight:
-                    return predicate()
-                self._progress.wait(POLL_SECONDS)
-            return True
-
-    def drain(self) -> None:
-        """Waits until every queued task has run, then raises a worker's error.
-
-        A no-op inside a worker thread (a worker never waits for itself).
-        """
-        if self.in_worker():
-            return
-        with self._lock:
-            while self._in_flight and self._error is None:
-                self._progress.wait(POLL_SECONDS)
-        self.raise_error()
-
-    @property
-    def queued(self) -> int:
-        """Tasks waiting for a worker."""
-        return len(self._queue)
-
-    @property
-    def in_flight(self) -> int:
-        """Tasks queued or running."""
-        return self._in_flight
-
-    def raise_error(self) -> None:
-        """Raises, once, the exception that stopped a worker, if any."""
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Drops queued tasks, stops the threads and waits for them."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends every loop once what is queued before the stop is taken."""
         with self._lock:
             self._stopping = True
-            self._in_flight -= len(self._queue)
-            self._queue.clear()
-            self._notify_everyone()
-            threads = list(self._threads.values())
+            live = [t for t in self._threads.values() if t.is_alive()]
+            monitor = self._monitor
+            self._progress.notify_all()
+            self._idle.notify_all()
+        if live:
+            self.runner.send_stops(len(live))
         deadline = time.monotonic() + timeout
-        for thread in threads:
-            if thread is not threading.current_thread():
+        for thread in [*live, monitor]:
+            if thread is not None and thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 
-    def threads(self) -> list[threading.Thread]:
-        """The worker threads alive now."""
-        with self._lock:
-            return [t for t in self._threads.values() if t.is_alive()]
+    def in_worker(self) -> bool:
+        """Whether the current thread is one of these loops' threads."""
+        return getattr(self._local, "replica_id", None) is not None
 
-    def steps(self) -> list[int]:
-        """Steps completed by each replica."""
+    def running(self) -> bool:
         with self._lock:
-            return list(self._steps)
+            return any(t.is_alive() for t in self._threads.values())
+
+    def wait_idle(self, failed: Callable[[], bool]) -> None:
+        """Waits until nothing is queued or being applied, or `failed()`."""
+        delay = 0.0002
+        while self.runner.pending() > 0 and not failed():
+            if not self.running():
+                self.start()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads alive now (the replicas' and the idle monitor)."""
+        with self._lock:
+            threads = [*self._threads.values(), self._monitor]
+            return [t for t in threads if t is not None and t.is_alive()]
+
+    def states(self) -> list[ReplicaState]:
+        with self._lock:
+            return list(self._states)
 
     def seconds_waited(self) -> list[float]:
         """Time each replica spent held back by `max_staleness`."""
         with self._lock:
             return list(self._waited)
 
-    # -- the workers -------------------------------------------------------
+    # -- the threads ----------------------------------------------------------
 
-    def _start_missing_threads(self) -> None:
-        for replica_id in range(self.num_replicas):
-            thread = self._threads.get(replica_id)
-            if thread is None or not thread.is_alive():
-                thread = threading.Thread(
-                    target=self._run,
-                    args=(replica_id,),
-                    name=f"{self.name}-replica-{replica_id}",
-                    daemon=True,
-                )
-                self._threads[replica_id] = thread
-                thread.start()
-
-    def _held_back(self, replica_id: int) -> bool:
+    def _allowed_steps(self, replica_id: int) -> int:
+        """Shards this replica may take now (0: held back)."""
         if self.max_staleness is None:
-            return False
-        return self._steps[replica_id] - min(self._steps) > self.max_staleness
-
-    def _next_task(self, replica_id: int) -> Task | None:
-        """The next task for this replica, or None when it should exit."""
-        with self._lock:
-            idle_since = time.monotonic()
-            held_since = None
-            while True:
-                if self._stopping or self._error is not None:
-                    return None
-                if self._queue and not self._held_back(replica_id):
-                    if held_since is not None:
-                        self._waited[replica_id] += time.monotonic() - held_since
-                    task = self._queue.popleft()
-                    self._progress.notify_all()
-                    return task
-                if self._queue:
-                    held_since = held_since or time.monotonic()
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > IDLE_SECONDS:
-                    if self._threads.get(replica_id) is threading.current_thread():
-                        del self._threads[replica_id]
-                    return None
-                self._work.wait(POLL_SECONDS)
+            return self.steps_per_loop
+        steps = self.runner.replica_steps()
+        # One at a time: the bound is checked again before every step.
+        return 1 if steps[replica_id] - min(steps) <= self.max_staleness else 0
 
     def _run(self, replica_id: int) -> None:
         self._local.replica_id = replica_id
+        held_since = None
         while True:
-            task = self._next_task(replica_id)
-            if task is None:
-                return
+            allowed = self._allowed_steps(replica_id)
+            if allowed == 0:
+                held_since = held_since or time.monotonic()
+                with self._lock:
+                    if self._stopping:
+                        self._waited[replica_id] += time.monotonic() - held_since
+                        held_since = None
+                        allowed = 1  # Only STOP items and what precedes them are left.
+                    else:
+                        self._progress.wait(POLL_SECONDS / 5)
+                        continue
+            if held_since is not None:
+                with self._lock:
+                    self._waited[replica_id] += time.monotonic() - held_since
+                held_since = None
             try:
-                task(replica_id)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                _, stopped = self.runner.run_loop(replica_id, allowed)
+            except BaseException as error:  # noqa: BLE001 - handed to the strategy
                 if not isinstance(error, Exception):
                     wrapped = WorkerError(f"replica {replica_id} stopped: {error!r}")
                     wrapped.__cause__ = error
                     error = wrapped
-                self._fail(error)
-                return
+                with self._lock:
+                    self._states[replica_id] = ReplicaState.FAILED
+                self._on_error(error)
+                self.runner.count_failed()
+                continue
             with self._lock:
-                self._in_flight -= 1
-                self._steps[replica_id] += 1
                 self._progress.notify_all()
-                if self.max_staleness is not None and self._queue:
-                    # The slowest replica moving on may release held-back ones.
-                    self._work.notify_all()
+                if stopped and self._stopping:
+                    self._states[replica_id] = ReplicaState.STOPPED
+                    if self._threads.get(replica_id) is threading.current_thread():
+                        del self._threads[replica_id]
+                    return
 
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
-            # The failed task and every queued one will never run.
-            self._in_flight -= 1 + len(self._queue)
-            self._queue.clear()
-            self._notify_everyone()
-
-    def _wake_workers(self, shards: int) -> None:
-        if self.max_staleness is None:
-            self._work.notify(shards)
-        else:
-            # A held-back worker woken would pass its turn: wake them all.
-            self._work.notify_all()
-
-    def _notify_everyone(self) -> None:
-        self._work.notify_all()
-        self._progress.notify_all()
+    def _watch_idle(self) -> None:
+        idle_since = None
+        while True:
+            with self._lock:
+                self._idle.wait(POLL_SECONDS * 5)
+                if self._stopping or not any(t.is_alive() for t in self._threads.values()):
+                    self._monitor = None
+                    return
+            if self.runner.pending() > 0:
+                idle_since = None
+                continue
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= IDLE_SECONDS:
+                self.stop()
+                if self._on_idle is not None:
+                    self._on_idle()
+                with self._lock:
+                    self._monitor = None
+                return
