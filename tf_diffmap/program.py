@@ -226,9 +226,13 @@ class Program:
                         name=f"{name}_output_{i}",
                     )
                 )
-        loop = loop_function(self.channel, self._apply_shard, self._skip_shard)
         self.loop_concretes = {}
         for device in dict.fromkeys(extended.replica_devices):
+
+            def apply_shard(replica_id, shard, device=device):
+                return self._run_replica_step(replica_id, shard, device)[1]
+
+            loop = loop_function(self.channel, apply_shard, self._skip_shard)
             with tf.device(device):
                 concrete = tf.function(loop, autograph=False).get_concrete_function(
                     tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32)
@@ -240,7 +244,7 @@ class Program:
 
     # -- one replica step with its bookkeeping (in a graph) --------------------
 
-    def _run_replica_step(self, replica_id, shard):
+    def _run_replica_step(self, replica_id, shard, device: str | None = None):
         """Calls the replica's step; returns its outputs, then counts it done.
 
         A step counts itself completed once it has finished writing (the
@@ -251,7 +255,10 @@ class Program:
         store = extended._store
         before = store.claims_of(replica_id)
         with tf.control_dependencies([before]):
-            outputs, claims = self._call_step(replica_id, shard)
+            if device is not None:
+                outputs, claims = self.concretes[device](replica_id, *shard)
+            else:
+                outputs, claims = self._call_step(replica_id, shard)
         flat = self._flat_outputs(outputs)
         with tf.control_dependencies([claims, *flat]), tf.device(store.host):
             done = [
@@ -273,9 +280,6 @@ class Program:
         ]
         return tf.switch_case(tf.gather(device_of, replica_id), branches)
 
-    def _apply_shard(self, replica_id, shard) -> tf.Operation:
-        _, done = self._run_replica_step(replica_id, shard)
-        return done
 
     def _skip_shard(self, shard) -> tf.Tensor:
         examples = batch_size(shard)
