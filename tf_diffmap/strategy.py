@@ -36,6 +36,7 @@ import tensorflow as tf
 from tf_diffmap import _tf_internal
 from tf_diffmap.devices import default_replica_devices, inter_op_threads, resolve_devices
 from tf_diffmap.inputs import HostDataset
+from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
@@ -81,6 +82,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         # threads while it waits; the workers' steps need another.
         self._graph_may_wait = inter_op_threads() >= 2
         self._store_variable_ids: set[int] = set()
+        self._momentum_watch = MomentumWatch()
 
     # -- drain --------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         room = self._pool.queue_size - len(self.replica_devices)
         self._pool.wait_for(lambda: self._pool.queued <= max(room, 0))
         self._pool.raise_error()
+        self._momentum_watch.check(self._store.statistics)
 
     # -- variables ----------------------------------------------------------
 
@@ -221,6 +224,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def _program_for(self, fn, args, kwargs) -> Program:
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
+        self._momentum_watch.watch(getattr(getattr(target, "__self__", None), "optimizer", None))
         leaves = tf.nest.flatten((args, kwargs))
         signature = tuple(
             (
