@@ -78,6 +78,14 @@ def test_watch_warns_once_and_reads_statistics_only_when_it_checks():
         for _ in range(6):
             watch.check(read)
     assert len(caught) == 1 and len(reads) == 1
+    watch.watch(watch._optimizer)  # the same model again: already warned
+    watch.check(read)
+    watch.check(read)
+    assert len(reads) == 1
+    with pytest.warns(UserWarning, match="momentum 0.9"):  # a new model's optimizer
+        watch.watch(sgd_momentum())
+        watch.check(read)
+        watch.check(read)
 
 
 @pytest.fixture(scope="module")

@@ -70,9 +70,9 @@ class MomentumWatch:
     """Checks a model's optimizer against the measured staleness, and warns once.
 
     The strategy calls `watch` with the optimizer of each Keras train
-    function it runs and `check` before each batch; the statistics are read
+    function it makes and `check` before each batch; the statistics are read
     only for SGD with an uncorrected momentum, every `check_every` batches,
-    until it has warned.
+    until it has warned about that optimizer.
 
     Args:
         check_every: batches between two reads of the statistics.
@@ -87,9 +87,17 @@ class MomentumWatch:
         self._batches = 0
 
     def watch(self, optimizer) -> None:
-        """Watches `optimizer` if it has a momentum that nothing corrects."""
-        if heavy_ball_momentum(optimizer) > 0 and not _corrects_momentum(optimizer):
-            self._optimizer = optimizer
+        """Watches the optimizer of a model that starts training.
+
+        Only an SGD with a momentum that nothing corrects is checked; each
+        such optimizer is warned about once.
+        """
+        if optimizer is self._optimizer:
+            return
+        uncorrected = heavy_ball_momentum(optimizer) > 0 and not _corrects_momentum(optimizer)
+        self._optimizer = optimizer if uncorrected else None
+        self.warned = False
+        self._batches = 0
 
     def check(self, statistics: Callable[[], StalenessStats]) -> None:
         """Warns if due; `statistics` is called only when there is a check."""
