@@ -754,7 +754,6 @@ def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
     versions = results["versions"]
     tf_keras = results["tf_keras"]
-    calibration = results["calibration"]
     lines = [
         "# tf_diffmap benchmarks",
         "",
@@ -772,32 +771,6 @@ def markdown(results: dict[str, Any]) -> str:
             if tf_keras.get("available") and versions.get("tf_keras")
             else f"CentralStorageStrategy **not run**: {tf_keras.get('reason')}."
         ),
-        f"- Replicas are logical CPU devices of one 2-core CPU "
-        "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
-        f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
-        "and devices for every contender; MirroredStrategy with "
-        + (
-            "its default collective all-reduce."
-            if results["mirrored_reduce"] == "collective"
-            else "`cross_device_ops=tf.distribute.ReductionToOneDevice()` (faster here than "
-            "its default collective all-reduce on CPUs)."
-        ),
-        f"- Each contender configuration runs in its own process; the contenders alternate "
-        f"round by round; figures are medians of {plan['repeats']} runs (min–max in "
-        "brackets). A timed window follows a warm-up `fit` that traces the step and lasts "
-        f"at least {plan['min_epochs']} epochs and {plan['min_seconds']:g} s; an epoch is "
-        + ", ".join(
-            f"{n:,} examples ({m.upper()})"
-            for m, n in plan["examples_per_epoch"].items()
-            if m in plan["models"] or m == plan["straggler_model"]
-        )
-        + ", and its time includes the drain at its end.",
-        "- Straggler: replica 0 sleeps (k-1)·t in each training step "
-        "(`tf_diffmap.testing.ReplicaDelay`, keyed on the replica id, so the same replica "
-        "sleeps the same time under every contender), with t the time of one "
-        "MirroredStrategy step without a straggler: "
-        + "; ".join(_calibration_text(n, c) for n, c in calibration.items())
-        + ".",
         "",
     ]
     workloads = plan.get("workloads", ("throughput", "straggler", "accuracy"))
@@ -844,7 +817,35 @@ def _high_staleness_section(results) -> list[str]:
 
 def _timed_sections(results) -> list[str]:
     plan = results["plan"]
+    calibration = results["calibration"]
     return [
+        f"- Replicas are logical CPU devices of one 2-core CPU "
+        "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
+        f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
+        "and devices for every contender; MirroredStrategy with "
+        + (
+            "its default collective all-reduce."
+            if results["mirrored_reduce"] == "collective"
+            else "`cross_device_ops=tf.distribute.ReductionToOneDevice()` (faster here than "
+            "its default collective all-reduce on CPUs)."
+        ),
+        f"- Each contender configuration runs in its own process; the contenders alternate "
+        f"round by round; figures are medians of {plan['repeats']} runs (min–max in "
+        "brackets). A timed window follows a warm-up `fit` that traces the step and lasts "
+        f"at least {plan['min_epochs']} epochs and {plan['min_seconds']:g} s; an epoch is "
+        + ", ".join(
+            f"{n:,} examples ({m.upper()})"
+            for m, n in plan["examples_per_epoch"].items()
+            if m in plan["models"] or m == plan["straggler_model"]
+        )
+        + ", and its time includes the drain at its end.",
+        "- Straggler: replica 0 sleeps (k-1)·t in each training step "
+        "(`tf_diffmap.testing.ReplicaDelay`, keyed on the replica id, so the same replica "
+        "sleeps the same time under every contender), with t the time of one "
+        "MirroredStrategy step without a straggler: "
+        + "; ".join(_calibration_text(n, c) for n, c in calibration.items())
+        + ".",
+        "",
         "## Targets",
         "",
         *_targets_table(results),
