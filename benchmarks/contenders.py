@@ -68,6 +68,7 @@ class Runtime:
         mirrored_reduce: `"one_device"` (`ReductionToOneDevice`, the faster
             on this 2-core host) or `"collective"` (MirroredStrategy's own
             choice on CPUs in TF 2.21).
+        replicas_per_device: tf_diffmap's replicas on each device.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class Runtime:
         replicas: int,
         max_staleness: int | None = None,
         mirrored_reduce: str = "one_device",
+        replicas_per_device: int = 1,
     ):
         if contender not in CONTENDERS:
             raise ValueError(
@@ -86,6 +88,7 @@ class Runtime:
         self.legacy = CONTENDERS[contender].legacy
         self.max_staleness = max_staleness
         self.mirrored_reduce = mirrored_reduce
+        self.replicas_per_device = replicas_per_device
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if self.legacy:
             os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -135,7 +138,9 @@ class Runtime:
         import tf_diffmap
 
         if self.name == "tf_diffmap":
-            return tf_diffmap.Strategy(devices=self.devices)
+            return tf_diffmap.Strategy(
+                devices=self.devices, replicas_per_device=self.replicas_per_device
+            )
         return tf_diffmap.Strategy(devices=self.devices, max_staleness=self.max_staleness)
 
     def scope(self):
@@ -158,6 +163,20 @@ class Runtime:
         import tf_diffmap
 
         return tf_diffmap.AsyncOptimizer(adam, staleness=rule, drop_above=drop_above)
+
+    def optimizer_from(self, name: str, rule: str | None = None, drop_above=None):
+        """`workloads.OPTIMIZERS[name]`, wrapped in `AsyncOptimizer` when a rule is given."""
+        from benchmarks.workloads import OPTIMIZERS
+
+        spec = dict(OPTIMIZERS[name])
+        inner = getattr(self.keras.optimizers, spec.pop("class"))(**spec)
+        if rule is None:
+            return inner
+        if not self.asynchronous:
+            raise ValueError(f"Staleness rule {rule!r} needs a tf_diffmap contender.")
+        import tf_diffmap
+
+        return tf_diffmap.AsyncOptimizer(inner, staleness=rule, drop_above=drop_above)
 
     def statistics(self) -> dict[str, Any] | None:
         """The store's staleness statistics, for tf_diffmap contenders."""

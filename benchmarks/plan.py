@@ -13,7 +13,10 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["Plan", "PRESETS", "sessions", "steps_per_epoch", "timed_task"]
+__all__ = ["Plan", "PRESETS", "WORKLOADS", "sessions", "steps_per_epoch", "timed_task"]
+
+# What a plan can measure; `Plan.workloads` (and `--only`) picks among them.
+WORKLOADS = ("throughput", "straggler", "accuracy", "high_staleness")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,22 @@ class Plan:
             MirroredStrategy step per device count, before the rounds);
             a number skips that calibration.
         seed: seeds data, weights and shuffling.
+        workloads: which of `WORKLOADS` run. "high_staleness" is not in the
+            presets' defaults (it trains about 60 models); run it alone with
+            `python -m benchmarks --only high_staleness`.
+        high_staleness_devices: logical CPU devices of the high-staleness
+            table (MirroredStrategy, the synchronous reference, uses them all).
+        high_staleness_replicas_per_device: tf_diffmap's replicas per device
+            there (4 x 4 = 16 replicas).
+        high_staleness_rows: (model, optimizer) pairs, keys of
+            `workloads.HIGH_STALENESS_MODELS` and `workloads.OPTIMIZERS`.
+        high_staleness_rules: `AsyncOptimizer` rules run under tf_diffmap
+            ("momentum" only where the optimizer is SGD with momentum).
+        high_staleness_stragglers: run without (False) and with (True) replica
+            0 sleeping `high_staleness_delay` seconds in each step.
+        high_staleness_epochs: epochs over digits' training set.
+        high_staleness_batch_size: the global batch size there.
+        high_staleness_drop_above: the bound of the "drop" rule there.
     """
 
     name: str
@@ -94,6 +113,22 @@ class Plan:
     drop_above: int = 8
     step_seconds: float | None = None
     seed: int = 0
+    workloads: tuple[str, ...] = ("throughput", "straggler", "accuracy")
+    high_staleness_devices: int = 4
+    high_staleness_replicas_per_device: int = 4
+    high_staleness_rows: tuple[tuple[str, str], ...] = (
+        ("mlp_digits", "sgd_momentum"),
+        ("mlp_digits", "sgd"),
+        ("mlp_digits", "adam_1e-3"),
+        ("mlp_digits", "adam_1e-2"),
+        ("cnn_digits", "sgd_momentum"),
+    )
+    high_staleness_rules: tuple[str, ...] = ("auto", "none", "inverse", "dc", "drop", "momentum")
+    high_staleness_stragglers: tuple[bool, ...] = (False, True)
+    high_staleness_delay: float = 0.02
+    high_staleness_epochs: int = 15
+    high_staleness_batch_size: int = 256
+    high_staleness_drop_above: int = 16
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,9 +219,15 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
     Returns:
         Session configurations for `benchmarks.worker`, in running order.
     """
-    counts = set(plan.replicas) | set(plan.straggler_replicas) | {plan.accuracy_replicas}
-    if "plain_keras" in plan.contenders:
-        counts.add(1)  # its time-to-accuracy reference
+    counts: set[int] = set()
+    if "throughput" in plan.workloads:
+        counts |= set(plan.replicas)
+    if "straggler" in plan.workloads:
+        counts |= set(plan.straggler_replicas)
+    if "accuracy" in plan.workloads:
+        counts.add(plan.accuracy_replicas)
+        if "plain_keras" in plan.contenders:
+            counts.add(1)  # its time-to-accuracy reference
     out = []
     for replicas in sorted(counts):
         for contender in plan.contenders:
@@ -201,11 +242,16 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
             ):
                 continue
             tasks: list[dict[str, Any]] = []
-            if replicas in plan.replicas:
+            throughput = "throughput" in plan.workloads
+            if throughput and replicas in plan.replicas:
                 tasks += [{"kind": "throughput", **timed_task(plan, m)} for m in plan.models]
-            if replicas in plan.numpy_input_replicas and "mlp" in plan.models:
+            if throughput and replicas in plan.numpy_input_replicas and "mlp" in plan.models:
                 tasks.append({"kind": "throughput", **timed_task(plan, "mlp"), "input": "numpy"})
-            if replicas in plan.straggler_replicas and replicas in delays:
+            if (
+                "straggler" in plan.workloads
+                and replicas in plan.straggler_replicas
+                and replicas in delays
+            ):
                 tasks.append(
                     {
                         "kind": "straggler",
@@ -213,7 +259,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                         "delays": {str(k): delays[replicas][k] for k in plan.slowdowns},
                     }
                 )
-            tasks += _accuracy_tasks(plan, contender, replicas, delays)
+            if "accuracy" in plan.workloads:
+                tasks += _accuracy_tasks(plan, contender, replicas, delays)
             if tasks:
                 out.append(
                     {
@@ -226,6 +273,55 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                         "tasks": tasks,
                     }
                 )
+    if "high_staleness" in plan.workloads:
+        out += _high_staleness_sessions(plan)
+    return out
+
+
+def _high_staleness_sessions(plan: Plan) -> list[dict[str, Any]]:
+    """MirroredStrategy's reference and tf_diffmap's 16 replicas, each rule."""
+    from benchmarks.workloads import OPTIMIZERS
+
+    def task(model, optimizer, rule, straggler):
+        return {
+            "kind": "high_staleness",
+            "model": model,
+            "optimizer": optimizer,
+            "rule": rule,
+            "drop_above": plan.high_staleness_drop_above if rule == "drop" else None,
+            "straggler": straggler,
+            "delay": plan.high_staleness_delay if straggler else 0.0,
+            "epochs": plan.high_staleness_epochs,
+            "batch_size": plan.high_staleness_batch_size,
+        }
+
+    out = []
+    for contender in ("mirrored", "tf_diffmap"):
+        if contender not in plan.contenders:
+            continue
+        tasks = []
+        for model, optimizer in plan.high_staleness_rows:
+            if contender == "mirrored":
+                # Synchronous: a straggler slows it down but changes no update.
+                tasks.append(task(model, optimizer, None, False))
+                continue
+            for straggler in plan.high_staleness_stragglers:
+                for rule in plan.high_staleness_rules:
+                    if rule == "momentum" and not OPTIMIZERS[optimizer].get("momentum"):
+                        continue
+                    tasks.append(task(model, optimizer, rule, straggler))
+        out.append(
+            {
+                "contender": contender,
+                "replicas": plan.high_staleness_devices,
+                "replicas_per_device": plan.high_staleness_replicas_per_device
+                if contender == "tf_diffmap"
+                else 1,
+                "max_staleness": None,
+                "seed": plan.seed,
+                "tasks": tasks,
+            }
+        )
     return out
 
 

@@ -254,6 +254,40 @@ def _accuracy(runs, max_staleness) -> list[dict[str, Any]]:
     return rows
 
 
+def _high_staleness(runs) -> list[dict[str, Any]]:
+    """Per model, optimizer, straggler, contender and rule: final accuracy and staleness."""
+    groups: dict[tuple, list[dict]] = {}
+    for session, task, result in _tasks(runs, "high_staleness"):
+        key = (
+            task["model"],
+            task["optimizer"],
+            bool(task["straggler"]),
+            session["contender"],
+            task.get("rule"),
+        )
+        groups.setdefault(key, []).append(result)
+    rows = []
+    for (model, optimizer, straggler, contender, rule), results in groups.items():
+        stats = [r.get("staleness") or {} for r in results]
+        rows.append(
+            {
+                "model": model,
+                "optimizer": optimizer,
+                "straggler": straggler,
+                "contender": contender,
+                "rule": rule,
+                "final_accuracy": _spread([r["final_accuracy"] for r in results]),
+                "final_loss": _spread(
+                    [r["losses"][-1] if r.get("losses") else None for r in results]
+                ),
+                "mean_staleness": _median([s.get("overall_mean_staleness") for s in stats]),
+                "max_staleness": _median([s.get("overall_max_staleness") for s in stats]),
+                "momentum_warning": any(r.get("momentum_warning") for r in results),
+            }
+        )
+    return rows
+
+
 def _memory(runs, max_staleness) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for run in runs:
@@ -464,6 +498,7 @@ def build(
         "straggler": straggler,
         "accuracy": accuracy,
         "memory": _memory(runs, plan.max_staleness),
+        "high_staleness": _high_staleness(runs),
         "targets": _targets(plan, throughput, straggler, accuracy, tf_keras),
         "errors": _errors(runs),
         "sessions": runs,
@@ -624,6 +659,73 @@ def _slowdown(results, row) -> str:
     return str(results["plan"]["accuracy_slowdown"])
 
 
+# An accuracy below this is a collapse (chance is 0.1 on digits).
+COLLAPSED = 0.5
+
+
+def _high_staleness_table(results) -> list[str]:
+    rows = results["high_staleness"]
+    plan = results["plan"]
+    rules = list(plan["high_staleness_rules"])
+    header = ["Model, optimizer", "Straggler", "sync"] + [
+        f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules
+    ]
+    header.append("default − sync")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    misses = []
+    for model, optimizer in plan["high_staleness_rows"]:
+        sync = _find(rows, model=model, optimizer=optimizer, contender="mirrored", rule=None)
+        sync_acc = sync["final_accuracy"]["median"] if sync else None
+        for straggler in plan["high_staleness_stragglers"]:
+            cells = [f"{model}, {optimizer}", "yes" if straggler else "no", _acc(sync)]
+            for rule in rules:
+                row = _find(
+                    rows,
+                    model=model,
+                    optimizer=optimizer,
+                    straggler=straggler,
+                    contender="tf_diffmap",
+                    rule=rule,
+                )
+                cells.append(_acc(row, staleness=True))
+            default = _find(
+                rows,
+                model=model,
+                optimizer=optimizer,
+                straggler=straggler,
+                contender="tf_diffmap",
+                rule="auto",
+            )
+            default_acc = default["final_accuracy"]["median"] if default else None
+            if default_acc is None or sync_acc is None:
+                cells.append("n/a")
+            else:
+                gap = 100 * (default_acc - sync_acc)
+                cells.append(f"{gap:+.1f} points")
+                if gap < -1.0 or default_acc < COLLAPSED:
+                    misses.append(f"{model}, {optimizer}, straggler {straggler}")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Target: with the default rule (`auto`), every row within 1 point of the synchronous "
+        "reference and none collapsed: "
+        + ("**met**." if not misses else "**missed** in " + "; ".join(misses) + "."),
+    ]
+    return lines
+
+
+def _acc(row, staleness: bool = False) -> str:
+    if row is None:
+        return "–"
+    spread = row["final_accuracy"]
+    text = _cell(spread, 3)
+    if spread["median"] is not None and spread["median"] < COLLAPSED:
+        text = f"**{text}**"
+    if staleness and row.get("mean_staleness") is not None:
+        text += f" ({row['mean_staleness']:.1f} / {row['max_staleness']:.0f})"
+    return text
+
+
 def _memory_table(results) -> list[str]:
     rows = results["memory"]
     counts = sorted({r["replicas"] for r in rows})
@@ -652,7 +754,6 @@ def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
     versions = results["versions"]
     tf_keras = results["tf_keras"]
-    calibration = results["calibration"]
     lines = [
         "# tf_diffmap benchmarks",
         "",
@@ -670,6 +771,54 @@ def markdown(results: dict[str, Any]) -> str:
             if tf_keras.get("available") and versions.get("tf_keras")
             else f"CentralStorageStrategy **not run**: {tf_keras.get('reason')}."
         ),
+        "",
+    ]
+    workloads = plan.get("workloads", ("throughput", "straggler", "accuracy"))
+    if set(workloads) & {"throughput", "straggler", "accuracy"}:
+        lines += _timed_sections(results)
+    if "high_staleness" in workloads:
+        lines += _high_staleness_section(results)
+    if results.get("figures"):
+        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in results["figures"]] + [""]
+    if results["errors"]:
+        lines += ["## Errors", ""]
+        for e in results["errors"]:
+            lines.append(
+                f"- round {e['round']}, {e['contender']} on {e['replicas']} device(s)"
+                f"{', task ' + e['task'] if e['task'] else ''}: {e['error']}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _high_staleness_section(results) -> list[str]:
+    plan = results["plan"]
+    devices = plan["high_staleness_devices"]
+    per_device = plan["high_staleness_replicas_per_device"]
+    return [
+        f"## High staleness: {devices * per_device} replicas, final accuracy on digits",
+        "",
+        *_high_staleness_table(results),
+        "",
+        f"tf_diffmap with {devices * per_device} replicas ({devices} logical CPU devices, "
+        f"`replicas_per_device={per_device}`) against MirroredStrategy on the same {devices} "
+        f"devices (sync), digits (1,437 training and 360 validation images), global batch "
+        f"{plan['high_staleness_batch_size']}, {plan['high_staleness_epochs']} epochs; "
+        "validation accuracy after the last epoch (medians of the runs, min–max in brackets "
+        "when more than one), then the mean / max staleness. Straggler: replica 0 sleeps "
+        f"{1000 * plan['high_staleness_delay']:g} ms in each step. `drop` drops updates "
+        f"staler than {plan['high_staleness_drop_above']}; `momentum` applies to SGD with "
+        "momentum only. Bold: collapsed (below 0.5; chance is 0.1). Optimizers: "
+        "`sgd_momentum` SGD(0.2, momentum=0.9), `sgd` SGD(0.2), `adam_1e-3` and `adam_1e-2` "
+        "Adam with that learning rate.",
+        "",
+    ]
+
+
+def _timed_sections(results) -> list[str]:
+    plan = results["plan"]
+    calibration = results["calibration"]
+    return [
         f"- Replicas are logical CPU devices of one 2-core CPU "
         "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
         f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
@@ -729,17 +878,6 @@ def markdown(results: dict[str, Any]) -> str:
         "TensorFlow itself takes most of it.",
         "",
     ]
-    if results.get("figures"):
-        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in results["figures"]] + [""]
-    if results["errors"]:
-        lines += ["## Errors", ""]
-        for e in results["errors"]:
-            lines.append(
-                f"- round {e['round']}, {e['contender']} on {e['replicas']} device(s)"
-                f"{', task ' + e['task'] if e['task'] else ''}: {e['error']}"
-            )
-        lines.append("")
-    return "\n".join(lines)
 
 
 def _load(values) -> str:

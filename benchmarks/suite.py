@@ -182,8 +182,10 @@ def _calibrate(
     inter_op_threads: int | None,
 ) -> dict[int, dict[str, Any]]:
     """Per device count: the no-straggler step time and the delay of each slowdown."""
-    counts = set(plan.straggler_replicas)
-    if "mirrored" in plan.contenders or plan.step_seconds is not None:
+    counts = set(plan.straggler_replicas) if "straggler" in plan.workloads else set()
+    if "accuracy" in plan.workloads and (
+        "mirrored" in plan.contenders or plan.step_seconds is not None
+    ):
         counts.add(plan.accuracy_replicas)
     slowdowns = sorted(set(plan.slowdowns) | {plan.accuracy_slowdown})
     out: dict[int, dict[str, Any]] = {}
@@ -400,6 +402,13 @@ def _parser() -> argparse.ArgumentParser:
         help="sessions run at once (default 1; more only for smoke tests, "
         "since concurrent sessions slow each other down)",
     )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated workloads to run, of: "
+        + ", ".join(plans.WORKLOADS)
+        + " (default: the preset's, which leave out high_staleness)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
 
@@ -420,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, contenders=chosen)
     if args.step_seconds is not None:
         plan = dataclasses.replace(plan, step_seconds=args.step_seconds)
+    if args.only:
+        chosen = tuple(w.strip() for w in args.only.split(",") if w.strip())
+        unknown = [w for w in chosen if w not in plans.WORKLOADS]
+        if unknown:
+            raise SystemExit(f"Unknown workloads {unknown}; choose from {list(plans.WORKLOADS)}.")
+        plan = dataclasses.replace(plan, workloads=chosen)
     command = "python -m benchmarks " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )

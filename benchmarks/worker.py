@@ -42,7 +42,10 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from typing import Any
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -277,7 +280,57 @@ def run_accuracy(rt, task: dict, seed: int) -> dict[str, Any]:
     return out
 
 
-TASKS = {"throughput": run_throughput, "straggler": run_straggler, "accuracy": run_accuracy}
+def run_high_staleness(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Final validation accuracy on digits after a fixed budget of epochs.
+
+    The high-staleness table: 16 replicas under tf_diffmap, each optimizer
+    and rule, against MirroredStrategy. Records whether tf_diffmap warned
+    about momentum.
+    """
+    x_train, x_val, y_train, y_val = workloads.digits_data(seed)
+    shape = workloads.HIGH_STALENESS_MODELS[task["model"]]["input_shape"]
+    x_train = x_train.reshape((-1, *shape))
+    x_val = x_val.reshape((-1, *shape))
+    batch_size = task["batch_size"]
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        delay = (
+            workloads.replica_delay(rt.keras, task["delay"], legacy=rt.legacy)
+            if task.get("delay")
+            else None
+        )
+        model = workloads.build_high_staleness_model(rt.keras, task["model"], delay)
+        optimizer = rt.optimizer_from(task["optimizer"], task.get("rule"), task.get("drop_above"))
+        _compile(rt, model, optimizer)
+    rt.reset_statistics()
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(
+            workloads.dataset(x_train, y_train, batch_size, shuffle_seed=seed),
+            steps_per_epoch=_steps(x_train, batch_size),
+            epochs=task["epochs"],
+            verbose=0,
+        )
+    seconds = time.perf_counter() - start
+    predictions = model.predict(x_val, batch_size=512, verbose=0)
+    out: dict[str, Any] = {
+        "final_accuracy": float(np.mean(np.argmax(predictions, axis=1) == y_val)),
+        "losses": [float(v) for v in history.history["loss"]],
+        "fit_seconds": seconds,
+        "momentum_warning": any("momentum" in str(w.message) for w in caught),
+    }
+    if rt.asynchronous:
+        out["staleness"] = rt.statistics()
+    return out
+
+
+TASKS = {
+    "throughput": run_throughput,
+    "straggler": run_straggler,
+    "accuracy": run_accuracy,
+    "high_staleness": run_high_staleness,
+}
 
 
 def run_session(config: dict) -> dict[str, Any]:
@@ -297,6 +350,7 @@ def run_session(config: dict) -> dict[str, Any]:
             config["replicas"],
             max_staleness=config.get("max_staleness"),
             mirrored_reduce=config.get("mirrored_reduce", "one_device"),
+            replicas_per_device=config.get("replicas_per_device", 1),
         )
     except Exception as error:  # noqa: BLE001 - reported to the parent
         session.update(

@@ -21,6 +21,9 @@ __all__ = [
     "build_model",
     "mlp_accuracy",
     "replica_delay",
+    "OPTIMIZERS",
+    "HIGH_STALENESS_MODELS",
+    "build_high_staleness_model",
 ]
 
 # Input shape and classes of each model. "mlp" is also the digits model: the
@@ -34,6 +37,46 @@ MODELS = {
         "description": "CNN conv16-pool-conv32-pool-dense64-10 on 28x28x1",
     },
 }
+
+
+# The optimizers of the high-staleness table: a Keras class and its arguments.
+OPTIMIZERS = {
+    "sgd_momentum": {"class": "SGD", "learning_rate": 0.2, "momentum": 0.9},
+    "sgd": {"class": "SGD", "learning_rate": 0.2},
+    "adam_1e-3": {"class": "Adam", "learning_rate": 1e-3},
+    "adam_1e-2": {"class": "Adam", "learning_rate": 1e-2},
+}
+
+# The models of the high-staleness table, on digits (8x8 images).
+HIGH_STALENESS_MODELS = {
+    "mlp_digits": {"input_shape": (64,), "description": "MLP 64-128-10 (ReLU)"},
+    "cnn_digits": {
+        "input_shape": (8, 8, 1),
+        "description": "CNN conv16-pool-conv32-dense10 on digits' 8x8 images",
+    },
+}
+
+
+def build_high_staleness_model(keras: ModuleType, model: str, delay_layer=None):
+    """A fresh model of `HIGH_STALENESS_MODELS`, ending in a softmax over 10 digits."""
+    layers = keras.layers
+    head = [keras.Input(HIGH_STALENESS_MODELS[model]["input_shape"])]
+    if delay_layer is not None:
+        head.append(delay_layer)
+    if model == "mlp_digits":
+        body = [layers.Dense(128, activation="relu")]
+    elif model == "cnn_digits":
+        body = [
+            layers.Conv2D(16, 3, padding="same", activation="relu"),
+            layers.MaxPooling2D(2),
+            layers.Conv2D(32, 3, activation="relu"),
+            layers.Flatten(),
+        ]
+    else:
+        raise ValueError(
+            f"Unknown model {model!r}; expected one of {sorted(HIGH_STALENESS_MODELS)}."
+        )
+    return keras.Sequential(head + body + [layers.Dense(10, activation="softmax")])
 
 
 def synthetic_data(model: str, examples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

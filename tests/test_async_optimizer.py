@@ -56,6 +56,8 @@ def test_delegates_to_the_inner_optimizer():
         ({"staleness": "drop"}, "needs drop_above"),
         ({"drop_above": -1}, "drop_above must be an int >= 0, received -1"),
         ({"dc_momentum": 1.0}, "dc_momentum must be in"),
+        ({"staleness_decay": 1.0}, "staleness_decay must be in"),
+        ({"staleness": "momentum"}, "SGD with momentum > 0.*momentum 0.0"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
@@ -68,6 +70,21 @@ def test_wraps_only_optimizers():
         tf_diffmap.AsyncOptimizer("adam")
 
 
+@pytest.mark.parametrize(
+    "inner, rule",
+    [
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "momentum"),
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), "momentum"),
+        (lambda: keras.optimizers.SGD(0.1), "none"),
+        (lambda: keras.optimizers.Adam(1e-3), "none"),
+        (lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9), "none"),
+    ],
+)
+def test_auto_picks_a_rule_per_optimizer(inner, rule):
+    optimizer = tf_diffmap.AsyncOptimizer(inner())
+    assert optimizer.staleness == "auto" and optimizer.rule == rule
+
+
 def test_config_round_trip():
     optimizer = tf_diffmap.AsyncOptimizer(
         keras.optimizers.SGD(0.3, momentum=0.5), staleness="dc", dc_lambda=0.1, drop_above=7
@@ -77,6 +94,11 @@ def test_config_round_trip():
     assert isinstance(clone.inner_optimizer, keras.optimizers.SGD)
     assert clone.inner_optimizer.momentum == 0.5
     assert float(clone.learning_rate) == pytest.approx(0.3)
+    default = tf_diffmap.AsyncOptimizer(
+        keras.optimizers.SGD(0.3, momentum=0.5), staleness_decay=0.5
+    )
+    clone = tf_diffmap.AsyncOptimizer.from_config(default.get_config())
+    assert clone.staleness == "auto" and clone.rule == "momentum" and clone.staleness_decay == 0.5
 
 
 def test_model_with_async_optimizer_saves_and_loads(tmp_path):
@@ -95,11 +117,15 @@ def test_model_with_async_optimizer_saves_and_loads(tmp_path):
     np.testing.assert_allclose(loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0))
 
 
-@pytest.mark.parametrize("inner", ["sgd", "adam"])
-@pytest.mark.parametrize("rule", ["none", "dc"])
+@pytest.mark.parametrize("inner", ["sgd", "sgd_momentum", "adam"])
+@pytest.mark.parametrize("rule", ["none", "dc", "auto"])
 def test_one_replica_equals_the_inner_optimizer(inner, rule):
     """Staleness is 0 with one replica: every rule reduces to the inner one."""
-    make = {"sgd": lambda: keras.optimizers.SGD(0.05), "adam": lambda: keras.optimizers.Adam(1e-2)}
+    make = {
+        "sgd": lambda: keras.optimizers.SGD(0.05),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(1e-2),
+    }
     x, y = classification_data(256)
     plain = mlp()
     initial = plain.get_weights()

@@ -42,3 +42,28 @@ def test_staleness_bound(replicas, bound, expected):
 def test_staleness_bound_rejects_bad_input():
     with pytest.raises(ValueError, match="max_staleness >= 0"):
         rules.staleness_bound(4, -1)
+
+
+@pytest.mark.parametrize(
+    "mean_staleness, expected", [(0.0, 0.0), (1.0, 0.5), (3.0, 0.75), (9.0, 0.9)]
+)
+def test_implicit_momentum_by_hand(mean_staleness, expected):
+    # s / (1 + s): a geometric staleness of mean s is momentum mu with mu / (1 - mu) = s.
+    assert rules.implicit_momentum(mean_staleness) == pytest.approx(expected)
+    assert float(rules.implicit_momentum(tf.constant(mean_staleness))) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "momentum, mean_staleness, expected",
+    [(0.9, 0.0, 0.9), (0.9, 1.0, 0.4), (0.9, 0.25, 0.7), (0.9, 9.0, 0.0), (0.5, 3.0, 0.0)],
+)
+def test_compensated_momentum_by_hand(momentum, mean_staleness, expected):
+    # max(0, momentum - s / (1 + s)): 0.9 - 0.5 = 0.4; 0.9 - 0.2 = 0.7; 0.9 - 0.9 = 0.
+    got = rules.compensated_momentum(momentum, tf.constant(mean_staleness))
+    assert got.dtype == tf.float32
+    assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+def test_moving_average_step_by_hand():
+    # 0.95 * 2 + 0.05 * 12 = 2.5, as the difference 0.5.
+    assert float(rules.moving_average_step(tf.constant(2.0), 12.0, 0.95)) == pytest.approx(0.5)

@@ -107,7 +107,7 @@ def _active_rule(optimizer) -> str | None:
         optimizer = getattr(optimizer, "inner_optimizer", None)
     if optimizer is None:
         return None
-    rule = optimizer.staleness
+    rule = optimizer.rule
     name = getattr(rule, "__name__", "callable") if callable(rule) else str(rule)
     if optimizer.drop_above is not None:
         return f"{name} (drop_above={optimizer.drop_above})"

@@ -11,13 +11,19 @@ one rule:
 - `"dc"`: delay compensation, DC-ASGD-a (Zheng et al. 2017), which corrects
   the gradient with the parameters the replica read;
 - `"drop"`: updates staler than `drop_above` are not applied, and counted;
+- `"momentum"`: for SGD with momentum, the explicit momentum lowered by the
+  momentum that asynchrony adds, estimated from the measured staleness
+  (Mitliagkas et al. 2016);
+- `"auto"` (the default): `"momentum"` for SGD with momentum, `"none"` for
+  every other optimizer;
 - a callable `rule(staleness) -> learning-rate factor`, for research.
 
-`drop_above` also combines with `"inverse"`, `"dc"` and callables.
+`drop_above` also combines with `"inverse"`, `"dc"`, `"momentum"` and callables.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import keras
@@ -26,9 +32,9 @@ import tensorflow as tf
 from tf_diffmap import staleness as rules
 from tf_diffmap.step import current_step
 
-__all__ = ["AsyncOptimizer"]
+__all__ = ["AsyncOptimizer", "heavy_ball_momentum"]
 
-RULES = ("none", "inverse", "dc", "drop")
+RULES = ("auto", "none", "inverse", "dc", "drop", "momentum")
 
 _BASE_ARGUMENTS = (
     "weight_decay",
@@ -44,19 +50,95 @@ _BASE_ARGUMENTS = (
 )
 
 
+def _sgd_of(optimizer) -> keras.optimizers.SGD | None:
+    """The `keras.optimizers.SGD` that `optimizer` is or wraps, if any."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        if isinstance(optimizer, keras.optimizers.SGD):
+            return optimizer
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+def heavy_ball_momentum(optimizer) -> float:
+    """The momentum of the `keras.optimizers.SGD` that `optimizer` is or wraps.
+
+    Args:
+        optimizer: any Keras optimizer (wrappers are looked through).
+
+    Returns:
+        Its momentum, or 0.0 when it is not SGD or has none.
+    """
+    sgd = _sgd_of(optimizer)
+    return 0.0 if sgd is None else float(sgd.momentum)
+
+
+class _TracedMomentum:
+    """Stands in for SGD's `momentum` while its update is traced.
+
+    Keras' SGD tests `self.momentum != 0` in Python, then converts it to a
+    tensor with `ops.cast`: this compares as the configured momentum and
+    converts to the momentum the rule chose for this update.
+    """
+
+    def __init__(self, nominal: float, tensor: tf.Tensor):
+        self.nominal = nominal
+        self.tensor = tensor
+
+    def __eq__(self, other):
+        return self.nominal == other
+
+    def __ne__(self, other):
+        return self.nominal != other
+
+    def __gt__(self, other):
+        return self.nominal > other
+
+    def __float__(self):
+        return float(self.nominal)
+
+    def __hash__(self):
+        return hash(self.nominal)
+
+
+def _convert_traced_momentum(value, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    return value.tensor if dtype is None else tf.cast(value.tensor, dtype)
+
+
+tf.register_tensor_conversion_function(_TracedMomentum, _convert_traced_momentum)
+
+
+@contextlib.contextmanager
+def _momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
+    # Replica steps are traced one at a time (see `Program`), so swapping
+    # the attribute for the length of one trace races with nothing.
+    nominal = sgd.momentum
+    sgd.momentum = _TracedMomentum(nominal, momentum)
+    try:
+        yield
+    finally:
+        sgd.momentum = nominal
+
+
 @keras.saving.register_keras_serializable(package="tf_diffmap")
 class AsyncOptimizer(keras.optimizers.Optimizer):
     """Applies an inner optimizer's updates with a staleness-aware rule.
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` instance to wrap.
-        staleness: `"none"`, `"inverse"`, `"dc"`, `"drop"`, or a callable
-            taking the staleness (int64 scalar tensor) and returning the
-            factor (float scalar tensor) the learning rate is multiplied by.
+        staleness: `"auto"` (default: `"momentum"` for SGD with momentum,
+            else `"none"`), `"none"`, `"inverse"`, `"dc"`, `"drop"`,
+            `"momentum"`, or a callable taking the staleness (int64 scalar
+            tensor) and returning the factor (float scalar tensor) the
+            learning rate is multiplied by.
         drop_above: updates with a larger staleness are not applied. Needed by
             `"drop"`; optional with the other rules.
         dc_lambda: lambda_0 of DC-ASGD-a.
         dc_momentum: momentum of DC-ASGD-a's mean square of gradients.
+        staleness_decay: decay of the moving average of staleness that
+            `"momentum"` estimates the momentum of asynchrony from.
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -78,10 +160,11 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        staleness: str | Callable = "none",
+        staleness: str | Callable = "auto",
         drop_above: int | None = None,
         dc_lambda: float = 0.04,
         dc_momentum: float = 0.95,
+        staleness_decay: float = 0.95,
         name: str | None = None,
         **kwargs,
     ):
@@ -121,22 +204,45 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"dc_lambda must be > 0, received {dc_lambda!r}.")
         if not 0 <= dc_momentum < 1:
             raise ValueError(f"dc_momentum must be in [0, 1), received {dc_momentum!r}.")
+        if not 0 <= staleness_decay < 1:
+            raise ValueError(f"staleness_decay must be in [0, 1), received {staleness_decay!r}.")
+        if staleness == "momentum" and heavy_ball_momentum(inner_optimizer) <= 0:
+            raise ValueError(
+                'staleness="momentum" lowers the momentum of a keras.optimizers.SGD '
+                f"with momentum > 0; received {inner_optimizer!r} with momentum "
+                f"{heavy_ball_momentum(inner_optimizer)}. Use "
+                'AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), staleness="momentum"), '
+                'or staleness="auto", which picks a rule for any optimizer.'
+            )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.staleness = staleness
         self.drop_above = drop_above
         self.dc_lambda = float(dc_lambda)
         self.dc_momentum = float(dc_momentum)
+        self.staleness_decay = float(staleness_decay)
+
+    @property
+    def rule(self) -> str | Callable:
+        """The rule that applies: `staleness`, with `"auto"` resolved."""
+        if self.staleness != "auto":
+            return self.staleness
+        return "momentum" if heavy_ball_momentum(self.inner_optimizer) > 0 else "none"
 
     # -- state ------------------------------------------------------------
 
     def build(self, var_list):
         if self.built:
             return
-        if self.staleness == "dc":
+        if self.rule == "dc":
             self._mean_squares = {
                 id(v): self.add_variable_from_reference(v, name="dc_mean_square") for v in var_list
             }
+        if self.rule == "momentum":
+            # A bias-corrected moving average: sum of weighted staleness, and
+            # the sum of the weights (which starts at 0, as Adam's does).
+            self._staleness_average = self.add_variable((), name="staleness_average")
+            self._staleness_weight = self.add_variable((), name="staleness_weight")
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
@@ -167,7 +273,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
     def _lr_scale(self, staleness):
         if callable(self.staleness):
             return tf.cast(self.staleness(staleness), tf.float32)
-        if self.staleness == "inverse":
+        if self.rule == "inverse":
             return rules.inverse_lr_scale(staleness)
         return None
 
@@ -195,17 +301,46 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             else tf.constant(True)
         )
         state.record(claim, keep, lr_scale)
-        if self.staleness == "dc":
+        rule = self.rule
+        if rule == "dc":
             grads = self._compensate(grads, variables, state, claim)
+        traced_momentum = contextlib.nullcontext()
+        if rule == "momentum":
+            traced_momentum = _momentum_of_update(
+                _sgd_of(self.inner_optimizer), self._momentum_for(claim.staleness)
+            )
 
         def apply_inner():
-            self.inner_optimizer.apply(grads, variables)
+            with traced_momentum:
+                self.inner_optimizer.apply(grads, variables)
             return tf.constant(True)
 
         if self.drop_above is None:
             apply_inner()
         else:
             tf.cond(keep, apply_inner, lambda: tf.constant(False))
+
+    def _momentum_for(self, staleness) -> tf.Tensor:
+        """This update's momentum: the configured one, less asynchrony's.
+
+        Asynchrony's is estimated from a moving average of the staleness of
+        recent updates, this one included.
+        """
+        decay = self.staleness_decay
+        with tf.control_dependencies([staleness]):
+            value = tf.cast(staleness, tf.float32)
+            average = self._staleness_average.value
+            weight = self._staleness_weight.value
+            average_now = tf.cast(average.read_value(), tf.float32)
+            weight_now = tf.cast(weight.read_value(), tf.float32)
+            average_step = rules.moving_average_step(average_now, value, decay)
+            weight_step = rules.moving_average_step(weight_now, 1.0, decay)
+            average.assign_add(tf.cast(average_step, average.dtype))
+            weight.assign_add(tf.cast(weight_step, weight.dtype))
+            mean_staleness = (average_now + average_step) / (weight_now + weight_step)
+            return rules.compensated_momentum(
+                heavy_ball_momentum(self.inner_optimizer), mean_staleness
+            )
 
     def _compensate(self, grads, variables, state, claim):
         compensated = []
@@ -217,18 +352,15 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
                 mean_square = self._mean_squares[id(variable)]
                 gradient = tf.convert_to_tensor(gradient)
-                ms_now = tf.cast(mean_square.value.read_value(), gradient.dtype)
-                mean_square.value.assign_add(
-                    tf.cast(
-                        rules.mean_square_step(ms_now, gradient, self.dc_momentum),
-                        mean_square.dtype,
-                    )
-                )
+                ms_before = tf.cast(mean_square.value.read_value(), gradient.dtype)
+                step = rules.mean_square_step(ms_before, gradient, self.dc_momentum)
+                mean_square.value.assign_add(tf.cast(step, mean_square.dtype))
                 params_read = tf.cast(state.read_value_of(tf_variable), gradient.dtype)
                 params_now = tf.cast(tf_variable.read_value(), gradient.dtype)
+                # DC-ASGD-a's lambda uses MeanSquare(t), this gradient included.
                 compensated.append(
                     rules.delay_compensated_gradient(
-                        gradient, params_now, params_read, ms_now, self.dc_lambda
+                        gradient, params_now, params_read, ms_before + step, self.dc_lambda
                     )
                 )
         return compensated
@@ -247,6 +379,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 "drop_above": self.drop_above,
                 "dc_lambda": self.dc_lambda,
                 "dc_momentum": self.dc_momentum,
+                "staleness_decay": self.staleness_decay,
             }
         )
         for key in _BASE_ARGUMENTS:
@@ -264,6 +397,6 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             staleness = keras.saving.deserialize_keras_object(
                 staleness, custom_objects=custom_objects
             )
-        known = ("drop_above", "dc_lambda", "dc_momentum", "name")
+        known = ("drop_above", "dc_lambda", "dc_momentum", "staleness_decay", "name")
         kwargs = {k: config[k] for k in known if k in config}
         return cls(inner, staleness=staleness, **kwargs)

@@ -20,6 +20,9 @@ __all__ = [
     "keep_update",
     "mean_square_step",
     "delay_compensated_gradient",
+    "moving_average_step",
+    "implicit_momentum",
+    "compensated_momentum",
 ]
 
 
@@ -70,6 +73,16 @@ class StalenessStats:
     @property
     def overall_max_staleness(self) -> int:
         return int(np.max(self.staleness_max)) if len(self.staleness_max) else 0
+
+    @property
+    def implicit_momentum(self) -> float:
+        """The momentum that asynchrony adds at this mean staleness, s / (1 + s).
+
+        See `implicit_momentum` (the function): with an optimizer whose own
+        momentum is `mu`, the total is about `mu + stats.implicit_momentum`,
+        and a total of 1 or more tends to diverge.
+        """
+        return float(implicit_momentum(self.overall_mean_staleness))
 
     @property
     def mean_lr_scale(self) -> np.ndarray:
@@ -137,7 +150,8 @@ class StalenessStats:
     def __str__(self) -> str:
         rows = [
             f"store version {self.version}; mean staleness "
-            f"{self.overall_mean_staleness:.2f}, max {self.overall_max_staleness}"
+            f"{self.overall_mean_staleness:.2f}, max {self.overall_max_staleness}; "
+            f"momentum added by asynchrony {self.implicit_momentum:.2f}"
         ]
         for r in range(self.num_replicas):
             rows.append(
@@ -218,9 +232,63 @@ def delay_compensated_gradient(
         gradient: g, computed at the parameters `params_read`.
         params_now: the parameters at the time the update is applied.
         params_read: the parameters the gradient was computed at.
-        mean_square: moving mean square of the gradient (same shape).
+        mean_square: moving mean square of the gradient (same shape),
+            this gradient included: the paper's MeanSquare(t) =
+            m * MeanSquare(t - 1) + (1 - m) * g**2, which also keeps lambda
+            bounded (by lambda0 / (sqrt(1 - m) * |g|)) for a first gradient.
         lambda0: the variance-control parameter lambda_0.
         epsilon: keeps the square root away from zero.
     """
     lam = lambda0 / tf.sqrt(mean_square + epsilon)
     return gradient + lam * gradient * gradient * (params_now - params_read)
+
+
+def moving_average_step(average, value, decay: float):
+    """The change that takes an exponential moving average one step on.
+
+    `average + moving_average_step(...)` is
+    `decay * average + (1 - decay) * value`; returned as a difference so that
+    it can be applied with an atomic add.
+    """
+    return (1.0 - decay) * (value - average)
+
+
+def implicit_momentum(mean_staleness):
+    """The momentum that asynchrony adds: s / (1 + s) at mean staleness s.
+
+    Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets momentum", 2016)
+    show that when the staleness of updates is geometrically distributed,
+    asynchronous SGD behaves in expectation like momentum SGD with momentum
+    `mu` where `mu / (1 - mu)` is the mean staleness; with `M` workers queued
+    on one store that is `1 - 1/M`. Solved for `mu`: `s / (1 + s)`.
+
+    Args:
+        mean_staleness: s >= 0 (a float, an array or a tensor).
+
+    Returns:
+        s / (1 + s), in [0, 1), of the same kind as `mean_staleness`.
+    """
+    return mean_staleness / (1.0 + mean_staleness)
+
+
+def compensated_momentum(momentum, mean_staleness):
+    """The explicit momentum to apply so that the total stays `momentum`.
+
+    The explicit momentum lowered by the momentum asynchrony adds,
+    `max(0, momentum - s / (1 + s))`: the first-order correction of
+    Mitliagkas et al. 2016 (the total is about the sum of the two), as the
+    closed loop of YellowFin (Zhang and Mitliagkas, 2017) does with a
+    measured total. It is not made negative (Mitliagkas et al. note that the
+    best explicit momentum can be), since Keras' SGD takes momentum in
+    [0, 1] and no negative value was measured here.
+
+    Args:
+        momentum: the momentum the inner optimizer was configured with, as
+            tuned for synchronous training.
+        mean_staleness: a recent mean staleness s >= 0 (tensor or float).
+
+    Returns:
+        A float32 scalar tensor in [0, momentum].
+    """
+    mean_staleness = tf.cast(mean_staleness, tf.float32)
+    return tf.maximum(tf.constant(momentum, tf.float32) - implicit_momentum(mean_staleness), 0.0)

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal, inputs
 from tf_diffmap.devices import default_replica_devices, inter_op_threads, resolve_devices
+from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
@@ -83,6 +84,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         # threads while it waits; the workers' steps need another.
         self._graph_may_wait = inter_op_threads() >= 2
         self._store_variable_ids: set[int] = set()
+        self._momentum_watch = MomentumWatch(check_every=1)
 
     # -- drain and errors ---------------------------------------------------
 
@@ -96,12 +98,17 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def drain(self) -> None:
         """Waits for every queued shard, stops the loops, raises an error."""
+        drained = False
         for program in self._training_programs():
             if program.loops.running() or program.pending():
                 program.loops.wait_idle(failed=lambda: self._error is not None)
                 program.loops.stop()
                 program.mark_drained()
+                drained = True
         self.raise_error()
+        if drained:
+            # Once per stretch of training: is momentum adding up past 1?
+            self._momentum_watch.check(self._store.statistics)
 
     def raise_error(self) -> None:
         """Raises, once, the first error of a replica (after stopping all loops)."""
@@ -258,6 +265,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def _program_for(self, fn, args, kwargs) -> Program:
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
+        self._momentum_watch.watch(getattr(getattr(target, "__self__", None), "optimizer", None))
         leaves = tf.nest.flatten((args, kwargs))
         signature = tuple(
             (
