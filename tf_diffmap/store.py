@@ -25,6 +25,16 @@ _VERSION_LIMIT = np.iinfo(np.int64).max
 _UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _HISTOGRAM = range(5)
 
 
+def _read(variable: tf.Variable) -> np.ndarray:
+    """The value of a counter variable, read by one op.
+
+    `variable.numpy()` runs two eager ops (a read and an identity) and the
+    variable's Python checks; a batch-level staleness point reads four
+    counters, and this read takes about a third of the time.
+    """
+    return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()
+
+
 def _host_of(device: str) -> str:
     """The CPU of the host that owns `device` (where counters live)."""
     spec = tf.DeviceSpec.from_string(device)
@@ -212,16 +222,16 @@ class ParameterStore:
 
     def statistics(self) -> StalenessStats:
         """A snapshot of the counters (does not wait for updates in flight)."""
-        counters = self.counters.numpy()
+        counters = _read(self.counters)
         return StalenessStats(
-            version=int(self.version.numpy()),
+            version=int(_read(self.version)),
             updates=counters[:, _UPDATES],
             dropped=counters[:, _DROPPED],
             examples=counters[:, _EXAMPLES],
             staleness_sum=counters[:, _STALENESS_SUM],
             histogram=counters[:, _HISTOGRAM:],
-            staleness_max=self.staleness_max.numpy(),
-            lr_scale_sum=self.lr_scale_sum.numpy(),
+            staleness_max=_read(self.staleness_max),
+            lr_scale_sum=_read(self.lr_scale_sum),
         )
 
     def reset_statistics(self) -> None:
