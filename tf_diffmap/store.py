@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_diffmap import _tf_internal
 from tf_diffmap.staleness import StalenessStats
 
-__all__ = ["ParameterStore"]
+__all__ = ["ParameterStore", "outside_scope_message"]
 
 _VERSION_LIMIT = np.iinfo(np.int64).max
 # Columns of `ParameterStore.counters`.
@@ -33,6 +33,40 @@ def _read(variable: tf.Variable) -> np.ndarray:
     counters, and this read takes about a third of the time.
     """
     return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()
+
+
+def outside_scope_message(variable, in_store: bool) -> str:
+    """What to say when an optimizer makes its slots outside the scope.
+
+    Keras' optimizer makes a slot for each variable of the model when it is
+    built, which `fit` does under the model's strategy: for a model built
+    outside the scope, no strategy at all, and TensorFlow's own error says
+    only `Need to be inside "with strategy.scope()"`.
+
+    Args:
+        variable: the model's variable the slot is made for.
+        in_store: whether `variable` lives in the parameter store (was
+            created inside the scope).
+
+    Returns:
+        The message of the error to raise.
+    """
+    name = getattr(variable, "name", variable)
+    if not in_store:
+        return (
+            f"The model's variable {name!r} was created outside this "
+            "tf_diffmap.Strategy's scope: the model was built (or loaded) outside "
+            "`with strategy.scope():`. Compiling it inside is not enough, since "
+            "Keras trains a model under the strategy it was built under. Build the "
+            "model and compile it (with its optimizer) inside the scope; `fit`, "
+            "`evaluate` and `predict` may then run outside it."
+        )
+    return (
+        f"The optimizer is creating its variables for {name!r} outside this "
+        "tf_diffmap.Strategy's scope. Build the optimizer inside "
+        "`with strategy.scope():` (model.compile there does, or call "
+        "optimizer.build(model.trainable_variables) there)."
+    )
 
 
 def _host_of(device: str) -> str:
