@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 KEYS = {
@@ -48,6 +50,7 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
     command = [sys.executable, "-m", "benchmarks", "--smoke", "--jobs", "2", "--out", str(tmp_path)]
