@@ -57,6 +57,12 @@ class Plan:
         step_seconds: the straggler's unit of delay: None measures it (one
             MirroredStrategy step per device count, before the rounds);
             a number skips that calibration.
+        points_replicas: device count of the staleness-points task (the
+            cost of `StalenessTensorBoard(update_freq="batch")`, tf_diffmap
+            only); None skips it.
+        points_batch_size: its batch size (the README example's).
+        points_epochs: epochs of each of its `fit`s over digits.
+        points_rounds: its rounds of (no callback, every point, default budget).
         seed: seeds data, weights and shuffling.
     """
 
@@ -93,6 +99,10 @@ class Plan:
     max_staleness: int = 4
     drop_above: int = 8
     step_seconds: float | None = None
+    points_replicas: int | None = 4
+    points_batch_size: int = 64
+    points_epochs: int = 3
+    points_rounds: int = 3
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +149,9 @@ PRESETS = {
         min_epochs=1,
         min_seconds=0.0,
         step_seconds=0.002,
+        points_replicas=2,
+        points_epochs=1,
+        points_rounds=1,
     ),
 }
 
@@ -185,6 +198,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         Session configurations for `benchmarks.worker`, in running order.
     """
     counts = set(plan.replicas) | set(plan.straggler_replicas) | {plan.accuracy_replicas}
+    if plan.points_replicas is not None and "tf_diffmap" in plan.contenders:
+        counts.add(plan.points_replicas)
     if "plain_keras" in plan.contenders:
         counts.add(1)  # its time-to-accuracy reference
     out = []
@@ -214,6 +229,16 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                     }
                 )
             tasks += _accuracy_tasks(plan, contender, replicas, delays)
+            if contender == "tf_diffmap" and replicas == plan.points_replicas:
+                tasks.append(
+                    {
+                        "kind": "points",
+                        "batch_size": plan.points_batch_size,
+                        "learning_rate": plan.learning_rate,
+                        "epochs": plan.points_epochs,
+                        "rounds": plan.points_rounds,
+                    }
+                )
             if tasks:
                 out.append(
                     {

@@ -177,9 +177,7 @@ def check_layout_and_run_info(run_dir, series):
 
 
 @pytest.mark.parametrize("update_freq, max_overhead", [(2, None), ("batch", None), ("batch", 1e-6)])
-def test_batch_points_add_up_beside_keras_tensorboard(
-    tmp_path, caplog, update_freq, max_overhead
-):
+def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_freq, max_overhead):
     x, y = classification_data(n=7 * 64)  # 7 steps per epoch: not a multiple of 2 or 3
     strategy, model = slowed_model()
     callback = tf_diffmap.StalenessTensorBoard(
