@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["Plan", "PRESETS", "WORKLOADS", "sessions", "steps_per_epoch", "timed_task"]
 
 # What a plan can measure; `Plan.workloads` (and `--only`) picks among them.
-WORKLOADS = ("throughput", "straggler", "accuracy", "high_staleness")
+WORKLOADS = ("throughput", "straggler", "accuracy", "points", "high_staleness")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,12 @@ class Plan:
         step_seconds: the straggler's unit of delay: None measures it (one
             MirroredStrategy step per device count, before the rounds);
             a number skips that calibration.
+        points_replicas: device count of the staleness-points task (the
+            cost of `StalenessTensorBoard(update_freq="batch")`, tf_diffmap
+            only); None skips it.
+        points_batch_size: its batch size (the README example's).
+        points_epochs: epochs of each of its `fit`s over digits.
+        points_rounds: its rounds of (no callback, every point, default budget).
         seed: seeds data, weights and shuffling.
         workloads: which of `WORKLOADS` run. "high_staleness" is not in the
             presets' defaults (it trains about 60 models); run it alone with
@@ -112,8 +118,12 @@ class Plan:
     max_staleness: int = 4
     drop_above: int = 8
     step_seconds: float | None = None
+    points_replicas: int | None = 4
+    points_batch_size: int = 64
+    points_epochs: int = 3
+    points_rounds: int = 3
     seed: int = 0
-    workloads: tuple[str, ...] = ("throughput", "straggler", "accuracy")
+    workloads: tuple[str, ...] = ("throughput", "straggler", "accuracy", "points")
     high_staleness_devices: int = 4
     high_staleness_replicas_per_device: int = 4
     high_staleness_rows: tuple[tuple[str, str], ...] = (
@@ -174,6 +184,9 @@ PRESETS = {
         min_epochs=1,
         min_seconds=0.0,
         step_seconds=0.002,
+        points_replicas=2,
+        points_epochs=1,
+        points_rounds=1,
     ),
 }
 
@@ -228,6 +241,13 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         counts.add(plan.accuracy_replicas)
         if "plain_keras" in plan.contenders:
             counts.add(1)  # its time-to-accuracy reference
+    points = (
+        "points" in plan.workloads
+        and plan.points_replicas is not None
+        and "tf_diffmap" in plan.contenders
+    )
+    if points:
+        counts.add(plan.points_replicas)
     out = []
     for replicas in sorted(counts):
         for contender in plan.contenders:
@@ -261,6 +281,16 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                 )
             if "accuracy" in plan.workloads:
                 tasks += _accuracy_tasks(plan, contender, replicas, delays)
+            if points and contender == "tf_diffmap" and replicas == plan.points_replicas:
+                tasks.append(
+                    {
+                        "kind": "points",
+                        "batch_size": plan.points_batch_size,
+                        "learning_rate": plan.learning_rate,
+                        "epochs": plan.points_epochs,
+                        "rounds": plan.points_rounds,
+                    }
+                )
             if tasks:
                 out.append(
                     {

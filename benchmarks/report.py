@@ -288,6 +288,45 @@ def _high_staleness(runs) -> list[dict[str, Any]]:
     return rows
 
 
+def _points(runs) -> list[dict[str, Any]]:
+    """The cost of batch-level staleness points, per device count."""
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for _, _, result in _tasks(runs, "points"):
+        groups[result["replicas"]].append(result)
+    out = []
+    for replicas, results in sorted(groups.items()):
+        first = results[0]
+        out.append(
+            {
+                "replicas": replicas,
+                "batches_per_fit": first["batches_per_fit"],
+                "points_per_run": [r["points"] for r in results],
+                "ms_per_batch": _spread(r["ms_per_batch"] for r in results),
+                "point_cpu_ms": _spread(r["point_cpu_ms_median"] for r in results),
+                "point_cpu_ms_p90": _spread(r["point_cpu_ms_p90"] for r in results),
+                "every_point_overhead": _spread(r["every_point_overhead"] for r in results),
+                "budget_overhead": _spread(r["budget_overhead"] for r in results),
+                "budget_points": _spread(p for r in results for p in r["budget_points"]),
+            }
+        )
+    return out
+
+
+def points_summary(results: dict[str, Any]) -> list[str]:
+    """One line per device count: what a staleness point costs (printed by the suite)."""
+    lines = []
+    for row in results.get("points", []):
+        lines.append(
+            f"staleness points, {row['replicas']} replicas: "
+            f"{_num(row['point_cpu_ms']['median'], 3)} ms of CPU per point (median; p90 "
+            f"{_num(row['point_cpu_ms_p90']['median'], 3)} ms) against "
+            f"{_num(row['ms_per_batch']['median'], 1)} ms per batch; with the default "
+            f"budget, {_num(row['budget_points']['median'], 0)} points for "
+            f"{row['batches_per_fit']} batches"
+        )
+    return lines
+
+
 def _memory(runs, max_staleness) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for run in runs:
@@ -499,6 +538,7 @@ def build(
         "accuracy": accuracy,
         "memory": _memory(runs, plan.max_staleness),
         "high_staleness": _high_staleness(runs),
+        "points": _points(runs),
         "targets": _targets(plan, throughput, straggler, accuracy, tf_keras),
         "errors": _errors(runs),
         "sessions": runs,
@@ -748,6 +788,46 @@ def _memory_table(results) -> list[str]:
     return lines
 
 
+def _points_section(results) -> list[str]:
+    rows = results.get("points") or []
+    if not rows:
+        return []
+    plan = results["plan"]
+    lines = [
+        '## Staleness points (`StalenessTensorBoard(update_freq="batch")`)',
+        "",
+        "| Replicas | CPU per point, ms (p90) | Batch, ms | `fit` with every point "
+        "| `fit` with the default budget | Points at the default budget |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['replicas']} | {_cell(row['point_cpu_ms'], 3)} "
+            f"({_num(row['point_cpu_ms_p90']['median'], 3)}) "
+            f"| {_cell(row['ms_per_batch'], 1)} "
+            f"| {_percent(row['every_point_overhead'])} "
+            f"| {_percent(row['budget_overhead'])} "
+            f"| {_num(row['budget_points']['median'], 0)} of {row['batches_per_fit']} |"
+        )
+    lines += [
+        "",
+        f"Digits, the MLP, batch {plan['points_batch_size']}, {plan['points_epochs']} "
+        f"epoch(s) per `fit`, {plan['points_rounds']} rounds of three `fit`s (none, every "
+        "point with `max_overhead=None`, the default `max_overhead=0.02`) per run. CPU per "
+        "point: the callback's own measure (`point_cpu_seconds`), median over the points; "
+        "`fit` columns: median `fit` time against the one without the callback (noisy on "
+        "a shared host).",
+        "",
+    ]
+    return lines
+
+
+def _percent(spread) -> str:
+    if not spread or spread.get("median") is None:
+        return "n/a"
+    return f"{100 * spread['median']:+.1f}%"
+
+
 def markdown(results: dict[str, Any]) -> str:
     """`results.md`: the run's settings, targets and tables."""
     plan = results["plan"]
@@ -870,6 +950,7 @@ def _timed_sections(results) -> list[str]:
         "a run that never reached it counting as slowest. Staleness: versions applied by "
         "others between a replica's read and its update.",
         "",
+        *_points_section(results),
         "## Peak memory (RSS, MiB, per process)",
         "",
         *_memory_table(results),

@@ -330,6 +330,8 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
         else:
             (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
             (out_dir / "results.md").write_text(report.markdown(results))
+    for line in report.points_summary(results):
+        _log(line)
     _log(f"wrote {out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s")
     return results
 

@@ -22,6 +22,9 @@ Tasks:
   clock stops while the callback measures) until the validation accuracy at
   an epoch's end first reaches each target, within a budget of epochs. The
   accuracy is computed in NumPy from the weights, the same way for everyone.
+- `points` (tf_diffmap only): what `StalenessTensorBoard(update_freq="batch")`
+  costs on digits: the CPU time of a point, and `fit` without the callback,
+  with every point, and with the default overhead budget.
 
 Every `fit` reads a repeated `tf.data.Dataset` with `steps_per_epoch`
 (`workloads.dataset`), so no contender rebuilds its input iterator per epoch;
@@ -325,11 +328,74 @@ def run_high_staleness(rt, task: dict, seed: int) -> dict[str, Any]:
     return out
 
 
+def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
+    """The cost of `StalenessTensorBoard(update_freq="batch")` on digits.
+
+    Rounds of three `fit`s of `epochs` epochs, in turn: without the callback,
+    with a point at every batch whatever it costs (`max_overhead=None`), and
+    with the default overhead budget. The per-point figure is the callback's
+    own measure (`point_cpu_seconds`: CPU time of its thread from reading the
+    counters to writing the event), which the budget counts.
+    """
+    if not rt.asynchronous:
+        raise ValueError("The points task measures StalenessTensorBoard: run it under tf_diffmap.")
+    import tempfile
+
+    import tf_diffmap
+
+    x_train, _, y_train, _ = workloads.digits_data(seed)
+    batch_size, epochs = task["batch_size"], task["epochs"]
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_model(rt.keras, "mlp")
+        _compile(rt, model, rt.optimizer(task["learning_rate"]))
+    fit_kwargs = {"batch_size": batch_size, "shuffle": False, "verbose": 0}
+    model.fit(x_train, y_train, epochs=1, **fit_kwargs)  # traces the step
+    batches = epochs * _steps(x_train, batch_size)
+    seconds: dict[str, list[float]] = {"none": [], "every": [], "budget": []}
+    point_ms: list[float] = []
+    budget_points: list[int] = []
+    with tempfile.TemporaryDirectory() as logdir:
+        for _ in range(task["rounds"]):
+            for kind in seconds:
+                callbacks = []
+                if kind != "none":
+                    overhead = None if kind == "every" else 0.02
+                    callbacks = [
+                        tf_diffmap.StalenessTensorBoard(
+                            logdir, update_freq="batch", max_overhead=overhead
+                        )
+                    ]
+                start = time.perf_counter()
+                model.fit(x_train, y_train, epochs=epochs, callbacks=callbacks, **fit_kwargs)
+                seconds[kind].append(time.perf_counter() - start)
+                if kind == "every":
+                    point_ms += [1000 * c for c in callbacks[0].point_cpu_seconds]
+                elif kind == "budget":
+                    # The thread's points, and each epoch's last batch's, written at its end.
+                    budget_points.append(len(callbacks[0].point_cpu_seconds) + epochs)
+    fit = {kind: statistics.median(values) for kind, values in seconds.items()}
+    return {
+        "replicas": rt.replicas,
+        "batches_per_fit": batches,
+        "ms_per_batch": 1000 * fit["none"] / batches,
+        "points": len(point_ms),
+        "point_cpu_ms_median": statistics.median(point_ms),
+        "point_cpu_ms_p90": statistics.quantiles(point_ms, n=10)[-1],
+        "fit_seconds": fit,
+        "fit_seconds_all": seconds,
+        "every_point_overhead": fit["every"] / fit["none"] - 1,
+        "budget_overhead": fit["budget"] / fit["none"] - 1,
+        "budget_points": budget_points,
+    }
+
+
 TASKS = {
     "throughput": run_throughput,
     "straggler": run_straggler,
     "accuracy": run_accuracy,
     "high_staleness": run_high_staleness,
+    "points": run_points,
 }
 
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 KEYS = {
@@ -48,6 +50,7 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
     command = [sys.executable, "-m", "benchmarks", "--smoke", "--jobs", "2", "--out", str(tmp_path)]
@@ -90,11 +93,19 @@ def test_smoke_run_writes_results(tmp_path):
     }
     assert all(r["peak_rss_mb_session"] > 0 for r in results["memory"])
 
+    # The cost of batch-level staleness points, under tf_diffmap on 2 devices.
+    (points,) = results["points"]
+    assert points["replicas"] == 2 and points["points_per_run"][0] > 0
+    assert points["point_cpu_ms"]["median"] > 0
+    assert 0 < points["budget_points"]["median"] <= points["batches_per_fit"]
+    assert "staleness points, 2 replicas" in proc.stderr
+
     assert {t["key"] for t in results["targets"]} == TARGET_KEYS
     assert all(t["met"] in (True, False, None) for t in results["targets"])
 
     markdown = (tmp_path / "results.md").read_text()
     assert "## Targets" in markdown and "## Throughput" in markdown
+    assert "## Staleness points" in markdown
     if plots:
         assert results["figures"]
         for name in results["figures"]:

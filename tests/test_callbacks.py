@@ -177,7 +177,7 @@ def check_layout_and_run_info(run_dir, series):
 
 
 @pytest.mark.parametrize("update_freq, max_overhead", [(2, None), ("batch", None), ("batch", 1e-6)])
-def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, update_freq, max_overhead):
+def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_freq, max_overhead):
     x, y = classification_data(n=7 * 64)  # 7 steps per epoch: not a multiple of 2 or 3
     strategy, model = slowed_model()
     callback = tf_diffmap.StalenessTensorBoard(
@@ -235,6 +235,17 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, update_freq, max
         series[metadata.TOTALS][-1][1][:, 0], after.updates - before.updates
     )
     assert not drains, "a batch-level point waited for the replicas"
+    # The thread took every point but the epochs' last (written at the epochs' ends).
+    thread_points = [step for step in expected_steps if step % 7]
+    assert len(callback.point_cpu_seconds) == len(thread_points)
+    assert all(seconds > 0 for seconds in callback.point_cpu_seconds)
+    coarsened = [r for r in caplog.records if "max_overhead" in r.getMessage()]
+    if max_overhead is None:
+        assert not coarsened
+    else:
+        # Logged once, when the budget first made a point cover more batches.
+        assert len(coarsened) == 1 and coarsened[0].levelname == "WARNING"
+        assert coarsened[0].name == "tf_diffmap"
     # Keras' own batch summaries were written too (its record_if was active).
     assert steps_of(read_run(tmp_path / "train"), "batch_loss") == [3, 6, 9, 12]
 

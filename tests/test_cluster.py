@@ -53,6 +53,7 @@ CLIENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_training_across_worker_and_ps_processes(tmp_path):
     workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     ps = [f"127.0.0.1:{p}" for p in free_ports(2)]

@@ -29,6 +29,9 @@ from tests.test_tensorboard_plugin import (
 )
 from tf_diffmap.tensorboard_plugin import metadata
 
+# Chromium in a subprocess, against a TensorBoard server.
+pytestmark = pytest.mark.slow
+
 CHROMIUM_SECONDS = 120
 WINDOW = (1400, 1000)
 

@@ -121,6 +121,7 @@ def kernel_dir(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_in_smoke_mode(name, kernel_dir, tmp_path):

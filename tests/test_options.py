@@ -47,14 +47,47 @@ def test_split_devices_rejects_bad_counts(value):
         tf_diffmap.split_devices(value)
 
 
-def test_model_built_outside_the_scope_is_refused():
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1),  # no slots: caught when the step is traced
+        lambda: keras.optimizers.Adam(1e-3),  # slots: caught when fit builds it
+        lambda: "adam",
+    ],
+    ids=["sgd", "adam", "adam_by_name"],
+)
+def test_model_built_outside_the_scope_is_refused(optimizer):
     strategy = tf_diffmap.Strategy()
     model = mlp()  # variables created outside the scope
     with strategy.scope():
-        compile_logits(model, keras.optimizers.SGD(0.1))
+        compile_logits(model, optimizer())
     x, y = classification_data(64)
-    with pytest.raises(ValueError, match="not created under this tf_diffmap.Strategy's scope"):
+    # Not TensorFlow's 'Need to be inside "with strategy.scope()"', which
+    # `fit` (run outside the scope, as the README says) would make no sense of.
+    with pytest.raises(ValueError, match=r"(created outside|not created under) this tf_diffmap"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"Build (and compile )?the model"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_one_default_replica_says_how_to_get_more(monkeypatch, caplog):
+    import tf_diffmap.strategy
+
+    # As on a CPU-only host where split_devices was not called.
+    monkeypatch.setattr(tf_diffmap.strategy, "default_replica_devices", lambda: ["/device:CPU:0"])
+    strategy = tf_diffmap.Strategy()
+    assert strategy.num_replicas_in_sync == 1
+    (record,) = [r for r in caplog.records if r.name == "tf_diffmap"]
+    assert record.levelname == "WARNING"
+    assert "one replica" in record.getMessage()
+    assert "tf_diffmap.split_devices(n)" in record.getMessage()
+    # Several replicas, or devices the user chose, are what was asked for: no warning.
+    caplog.clear()
+    tf_diffmap.Strategy(replicas_per_device=2)
+    tf_diffmap.Strategy(devices=["CPU:0"])
+    monkeypatch.undo()
+    tf_diffmap.Strategy()
+    assert not [r for r in caplog.records if r.name == "tf_diffmap"]
 
 
 def test_sparse_inputs_are_refused_with_advice():

@@ -87,6 +87,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_inter_op_thread_trains_and_never_hangs():
     result = subprocess.run(

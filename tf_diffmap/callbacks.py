@@ -14,6 +14,7 @@ delay held back the next batch's dispatch.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,8 @@ from tf_diffmap.tensorboard_plugin import metadata
 from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
 
 __all__ = ["StalenessTensorBoard"]
+
+_logger = logging.getLogger("tf_diffmap")
 
 
 def _interval(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
@@ -137,9 +140,12 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     Points are written from the strategy's counters only, which it reads
     without waiting for the replicas. Batch-level points are read and written
     by a thread of the callback's own (the training loop only hands it a step
-    number), and they are kept from costing more than `max_overhead` of the
-    training time: when steps are so short that a point every `update_freq`
-    batches would cost more, a point covers more batches. An epoch's point is
+    number). A point costs a fraction of a millisecond of CPU
+    (`point_cpu_seconds` has the figures of the latest `fit`); as a safety
+    net, the points of a `fit` are kept from costing more than `max_overhead`
+    of its training time: when steps are so short that a point every
+    `update_freq` batches would cost more, a point covers more batches, and
+    the callback logs a warning the first time it does so. An epoch's point is
     written after the epoch's updates have all landed (as Keras' epoch-end
     metrics wait for them anyway); with `update_freq="batch"` or `N`, the
     point of an epoch's last batch waits for the epoch's end too, and the
@@ -154,11 +160,12 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             step of a batch-level point counts the batches since the callback's
             first training began, as Keras' batch-level summaries do within a
             `fit`.
-        max_overhead: with batch-level points, the largest share of the time
-            that taking them may cost: after a point that took `t` seconds of
-            CPU, the next is not taken before `t / max_overhead` seconds have
-            passed (the batches in between count in it). None takes a point
-            every `update_freq` batches whatever it costs.
+        max_overhead: with batch-level points, the largest share of the
+            training time that taking them may cost: a point is skipped (its
+            batches count in the next one) while the CPU time the points of
+            this `fit` took exceeds `max_overhead` times the training time so
+            far (validation excluded). None takes a point every `update_freq`
+            batches whatever it costs.
 
     Raises:
         ValueError: an `update_freq` or `max_overhead` out of range; or, when
@@ -199,7 +206,13 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.max_overhead = max_overhead
-        self._next_point = 0.0  # perf_counter time before which no point is taken
+        # The overhead budget of batch-level points, per fit: the CPU seconds
+        # the points took, and the training time they may take a share of.
+        self._point_cpu: list[float] = []
+        self._spent = 0.0
+        self._train_start = 0.0
+        self._validation = 0.0
+        self._coarsened = False  # logged once per callback
         self._every = (
             None if update_freq == "epoch" else 1 if update_freq == "batch" else update_freq
         )
@@ -253,7 +266,10 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         )
         self._writer.write_layout()
         self._point_error = None
-        self._next_point = 0.0
+        self._point_cpu = []
+        self._spent = 0.0
+        self._train_start = time.perf_counter()
+        self._validation = 0.0
         self._training = True
         self._deferred = False
         self._start_interval()
@@ -314,9 +330,47 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             self._deferred = True  # the epoch's last batch: written at the epoch's end
             return
         self._raise_point_error()
-        if time.perf_counter() < self._next_point:
-            return  # within the overhead budget: these batches count in the next point
+        if self._over_budget():
+            self._log_coarsening()
+            return  # these batches count in the next point
         self._points.submit(self._take_point, self._strategy(), self._batches)
+
+    @property
+    def point_cpu_seconds(self) -> tuple[float, ...]:
+        """CPU seconds of each batch-level point of the latest `fit`.
+
+        Measured in the callback's thread, from reading the strategy's
+        counters to writing the event: what `max_overhead` budgets.
+        """
+        return tuple(self._point_cpu)
+
+    def _training_seconds(self) -> float:
+        return time.perf_counter() - self._train_start - self._validation
+
+    def _over_budget(self) -> bool:
+        if self.max_overhead is None:
+            return False
+        return self._spent > self.max_overhead * self._training_seconds()
+
+    def _log_coarsening(self) -> None:
+        if self._coarsened:
+            return
+        self._coarsened = True
+        points = self._point_cpu
+        per_point = 1000 * sum(points) / len(points) if points else float("nan")
+        per_batch = 1000 * self._training_seconds() / max(self._batches, 1)
+        _logger.warning(
+            "StalenessTensorBoard(update_freq=%r): a point every %d batch(es) would cost "
+            "more than max_overhead=%g of the training time (a point has taken %.2f ms "
+            "of CPU, a batch %.1f ms), so some points now cover more batches. Pass a "
+            "larger max_overhead, or max_overhead=None for every point whatever it "
+            "costs. (Logged once.)",
+            self.update_freq,
+            self._every,
+            self.max_overhead,
+            per_point,
+            per_batch,
+        )
 
     # -- validation inside fit: not training time -------------------------
 
@@ -327,7 +381,9 @@ class StalenessTensorBoard(keras.callbacks.Callback):
 
     def on_test_end(self, logs=None):
         if self._training and self._test_start is not None:
-            self._paused += time.perf_counter() - self._test_start
+            seconds = time.perf_counter() - self._test_start
+            self._paused += seconds
+            self._validation += seconds
             self._test_start = None
 
     # -- writing ----------------------------------------------------------
@@ -335,13 +391,13 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def _take_point(self, strategy: Strategy, step: int) -> None:
         """In the callback's thread: a batch-level point, read now."""
         try:
-            if time.perf_counter() < self._next_point:
-                return  # requested before the previous point set the budget
+            if self._over_budget():
+                return  # requested before the previous points used up the budget
             cpu = time.thread_time()
             self._write(step, strategy.statistics())
-            if self.max_overhead is not None:
-                cost = time.thread_time() - cpu
-                self._next_point = time.perf_counter() + cost / self.max_overhead
+            cost = time.thread_time() - cpu
+            self._point_cpu.append(cost)
+            self._spent += cost
         except BaseException as error:  # raised in the training thread, next batch
             self._point_error = self._point_error or error
 

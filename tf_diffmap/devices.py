@@ -8,12 +8,21 @@ passes to `Strategy` into canonical device names, or says what is wrong.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
 import tensorflow as tf
 
-__all__ = ["split_devices", "default_replica_devices", "inter_op_threads", "resolve_devices"]
+__all__ = [
+    "split_devices",
+    "default_replica_devices",
+    "warn_if_one_replica",
+    "inter_op_threads",
+    "resolve_devices",
+]
+
+_logger = logging.getLogger("tf_diffmap")
 
 
 def split_devices(
@@ -94,6 +103,33 @@ def default_replica_devices() -> list[str]:
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     return [d.name for d in devices]
+
+
+def warn_if_one_replica(replicas: Sequence[str]) -> None:
+    """Logs a warning when the default devices give a single replica.
+
+    A `Strategy()` on a host with one CPU (not split) or one GPU trains one
+    replica: it runs, but nothing is asynchronous, which a user who adapted
+    an example would not notice.
+
+    Args:
+        replicas: the replica devices the strategy chose by default.
+    """
+    if len(replicas) != 1:
+        return
+    kind = tf.DeviceSpec.from_string(replicas[0]).device_type or "CPU"
+    split = "split_devices(n)" if kind == "CPU" else 'split_devices(n, "GPU", gpu_memory_mb=...)'
+    _logger.warning(
+        "tf_diffmap.Strategy() found a single %s device (%s), so it trains one replica "
+        "and nothing runs asynchronously. To train n replicas on this %s, call "
+        "tf_diffmap.%s first thing in the program, before TensorFlow initializes its "
+        "devices (in a notebook, restart the runtime first); or pass "
+        "Strategy(replicas_per_device=n).",
+        kind,
+        replicas[0],
+        kind,
+        split,
+    )
 
 
 def inter_op_threads() -> int:

@@ -35,12 +35,17 @@ from typing import Any
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal, inputs
-from tf_diffmap.devices import default_replica_devices, inter_op_threads, resolve_devices
+from tf_diffmap.devices import (
+    default_replica_devices,
+    inter_op_threads,
+    resolve_devices,
+    warn_if_one_replica,
+)
 from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
-from tf_diffmap.store import ParameterStore
+from tf_diffmap.store import ParameterStore, outside_scope_message
 
 __all__ = ["Strategy", "current_step"]
 
@@ -168,6 +173,20 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         del colocate_with_variable  # Any store variable can host its slots.
+
+    def colocate_vars_with(self, colocate_with_variable):
+        # Keras' optimizer creates its slots here when it is built, which
+        # `fit` does under the model's strategy: if the model was built
+        # outside this scope, that is no strategy at all, and TensorFlow's
+        # own error says only "Need to be inside strategy.scope()".
+        strategy = self._container_strategy()
+        if not tf.distribute.has_strategy() or tf.distribute.get_strategy() is not strategy:
+            raise ValueError(
+                outside_scope_message(
+                    colocate_with_variable, self.variable_created_in_scope(colocate_with_variable)
+                )
+            )
+        return super().colocate_vars_with(colocate_with_variable)
 
     def variable_created_in_scope(self, v):
         return id(v) in self._store_variable_ids
@@ -496,6 +515,8 @@ class Strategy(_tf_internal.StrategyBase):
         else:
             parameters = resolve_devices(parameter_device, "parameter_device")
         replicas = [d for d in base for _ in range(replicas_per_device)]
+        if devices is None:
+            warn_if_one_replica(replicas)
         if queue_size is not None and queue_size < len(replicas):
             raise ValueError(
                 f"queue_size must hold at least one shard per replica ({len(replicas)}), "

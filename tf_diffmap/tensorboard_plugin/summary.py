@@ -69,10 +69,6 @@ class IntervalFigures:
     lr_scale: np.ndarray
 
 
-def _with_all(per_replica, total) -> np.ndarray:
-    return np.append(np.asarray(per_replica, dtype=np.float64), np.float64(total))
-
-
 def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator > 0)
 
@@ -100,32 +96,44 @@ def interval_figures(interval: StalenessStats, version: int, seconds: float) -> 
     Returns:
         An `IntervalFigures`.
     """
-    histogram = np.asarray(interval.histogram, dtype=np.int64)
-    histogram = np.vstack([histogram, histogram.sum(axis=0, keepdims=True)])
-    bins = np.arange(histogram.shape[1])
-    largest = np.where(histogram > 0, bins, 0).max(axis=1)
+    # A point per batch calls this in the callback's thread while the
+    # replicas run: few NumPy calls, each on every replica at once.
+    counts = np.asarray(interval.histogram, dtype=np.int64)
+    replicas, width = counts.shape
+    histogram = np.empty((replicas + 1, width), np.int64)
+    histogram[:replicas] = counts
+    counts.sum(axis=0, out=histogram[replicas])
+    bins = np.arange(width)
+    largest = ((histogram > 0) * bins).max(axis=1)
     claimed = histogram.sum(axis=1).astype(np.float64)
-    mean = _ratio((histogram * bins).sum(axis=1).astype(np.float64), claimed)
-    histogram = histogram[:, : int(largest[-1]) + 1]
-    updates = _with_all(interval.updates, np.sum(interval.updates))
-    work = np.asarray(interval.updates, np.float64) + np.asarray(interval.dropped, np.float64)
-    lr_scale_sum = interval.lr_scale_sum
-    if lr_scale_sum is None:  # no rule recorded a factor: every update had 1
-        lr_scale_sum = interval.updates
+    mean = _ratio((histogram @ bins).astype(np.float64), claimed)
+    # Per replica then all together: updates, dropped, examples, lr factors.
+    columns = np.zeros((replicas + 1, 4))
+    columns[:replicas, 0] = interval.updates
+    columns[:replicas, 1] = interval.dropped
+    if interval.examples is not None:
+        columns[:replicas, 2] = interval.examples
+    # Without a recorded factor (no rule), every update had 1.
+    lr_scale_sum = interval.updates if interval.lr_scale_sum is None else interval.lr_scale_sum
+    columns[:replicas, 3] = lr_scale_sum
+    columns[replicas] = columns[:replicas].sum(axis=0)
+    updates, dropped = columns[:, 0], columns[:, 1]
+    work = updates[:replicas] + dropped[:replicas]
+    total_work = work.sum()
     examples_per_second = None
     if interval.examples is not None and seconds > 0:
-        examples_per_second = _with_all(interval.examples, np.sum(interval.examples)) / seconds
+        examples_per_second = columns[:, 2] / seconds
     return IntervalFigures(
         version=int(version),
         updates=updates,
         claimed=claimed,
         mean=mean,
         max=largest.astype(np.float64),
-        histogram=histogram,
-        share=work / work.sum() if work.sum() else np.zeros_like(work),
+        histogram=histogram[:, : int(largest[-1]) + 1],
+        share=work / total_work if total_work else np.zeros_like(work),
         examples_per_second=examples_per_second,
-        dropped=_with_all(interval.dropped, np.sum(interval.dropped)),
-        lr_scale=_ratio(_with_all(lr_scale_sum, np.sum(lr_scale_sum)), updates),
+        dropped=dropped,
+        lr_scale=_ratio(columns[:, 3], updates),
     )
 
 
@@ -227,20 +235,22 @@ class _Series:
     several times more than updating one in place.
     """
 
+    __slots__ = ("value", "_floats", "_described")
+
     def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata, dtype: int):
         self.value = summary_pb2.Summary.Value(tag=tag, tensor=tensor_pb2.TensorProto(dtype=dtype))
         self.value.tensor.tensor_shape.SetInParent()
         # Like TensorFlow's own writer, the first value of a tag in an event
         # file carries its metadata; TensorBoard keeps the first it reads.
         self.value.metadata.CopyFrom(summary_metadata)
+        self._floats = self.value.tensor.float_val
         self._described = False
 
     def scalar(self, number: float) -> summary_pb2.Summary.Value:
-        values = self.value.tensor.float_val
-        if values:
-            values[0] = number
-        else:
-            values.append(number)
+        if self._described:  # every point but a tag's first
+            self._floats[0] = number
+            return self.value
+        self._floats.append(number)
         return self._next()
 
     def matrix(self, array: np.ndarray) -> summary_pb2.Summary.Value:
@@ -256,6 +266,20 @@ class _Series:
         described.CopyFrom(value)
         value.ClearField("metadata")
         return described
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """The series of one replica (or of all replicas together) in a point."""
+
+    mean: _Series
+    max: _Series
+    distribution: _Series
+    updates: _Series
+    share: _Series | None
+    examples_per_second: _Series
+    dropped: _Series | None
+    lr_scale: _Series | None
 
 
 class StalenessSummaryWriter:
@@ -287,6 +311,22 @@ class StalenessSummaryWriter:
             raise ValueError(f"totals must have shape {shape}, received {self.totals.shape}.")
         self._file = EventFile(log_dir)
         self._series: dict[tuple[str, int | None | str], _Series] = {}
+        # One row of series per replica, then one for all replicas (None).
+        self._rows = [
+            _Row(
+                mean=self._get(metadata.MEAN, r),
+                max=self._get(metadata.MAX, r),
+                distribution=self._get(metadata.DISTRIBUTION, r),
+                updates=self._get(metadata.UPDATES, r),
+                share=None if r is None else self._get(metadata.SHARE, r),
+                examples_per_second=self._get(metadata.EXAMPLES_PER_SECOND, r),
+                dropped=self._get(metadata.DROPPED, r) if rules else None,
+                lr_scale=self._get(metadata.LR_SCALE, r) if rules else None,
+            )
+            for r in [*range(run_info.num_replicas), None]
+        ]
+        self._version = self._get(metadata.VERSION, "")
+        self._totals = self._get(metadata.TOTALS, "")
 
     @property
     def path(self) -> str:
@@ -342,30 +382,34 @@ class StalenessSummaryWriter:
         if interval.examples is not None:
             totals[:, 2] += interval.examples
         totals[:, 3] += interval.staleness_sum
-        totals[:, 4] = np.maximum(totals[:, 4], figures.max[:-1])
+        np.maximum(totals[:, 4], figures.max[:-1], out=totals[:, 4])
 
-        get = self._get
+        # Plain floats, read once: indexing NumPy arrays value by value
+        # costs more than the protocol buffers.
+        claimed = figures.claimed.tolist()
+        mean, largest = figures.mean.tolist(), figures.max.tolist()
+        updates, share = figures.updates.tolist(), figures.share.tolist()
+        eps = None if figures.examples_per_second is None else figures.examples_per_second.tolist()
+        dropped, lr_scale = figures.dropped.tolist(), figures.lr_scale.tolist()
+        buckets = histogram_buckets(figures.histogram)
         values = []
         add = values.append
-        replicas = list(range(len(figures.share))) + [None]
-        eps = figures.examples_per_second
-        buckets = histogram_buckets(figures.histogram)
-        for i, r in enumerate(replicas):
-            if figures.claimed[i] > 0:
-                add(get(metadata.MEAN, r).scalar(figures.mean[i]))
-                add(get(metadata.MAX, r).scalar(figures.max[i]))
-                add(get(metadata.DISTRIBUTION, r).matrix(buckets[i]))
-            add(get(metadata.UPDATES, r).scalar(figures.updates[i]))
-            if r is not None:
-                add(get(metadata.SHARE, r).scalar(figures.share[i]))
+        for i, row in enumerate(self._rows):
+            if claimed[i] > 0:
+                add(row.mean.scalar(mean[i]))
+                add(row.max.scalar(largest[i]))
+                add(row.distribution.matrix(buckets[i]))
+            add(row.updates.scalar(updates[i]))
+            if row.share is not None:
+                add(row.share.scalar(share[i]))
             if eps is not None:
-                add(get(metadata.EXAMPLES_PER_SECOND, r).scalar(eps[i]))
+                add(row.examples_per_second.scalar(eps[i]))
             if self.rules:
-                add(get(metadata.DROPPED, r).scalar(figures.dropped[i]))
-                if figures.updates[i] > 0:
-                    add(get(metadata.LR_SCALE, r).scalar(figures.lr_scale[i]))
-        add(get(metadata.VERSION, "").scalar(version))
-        add(get(metadata.TOTALS, "").matrix(totals))
+                add(row.dropped.scalar(dropped[i]))
+                if updates[i] > 0:
+                    add(row.lr_scale.scalar(lr_scale[i]))
+        add(self._version.scalar(version))
+        add(self._totals.matrix(totals))
         return values
 
     # -- what the callback calls ------------------------------------------
