@@ -103,10 +103,14 @@ def strategy_for_cluster(cluster_resolver=None, **kwargs):
     Returns:
         The strategy; variables are sharded over the ps tasks.
     """
+    from tf_diffmap.devices import host_cpu
     from tf_diffmap.strategy import Strategy
 
     replicas, store = connect(cluster_resolver)
-    return Strategy(devices=replicas, parameter_device=store, **kwargs)
+    strategy = Strategy(devices=replicas, parameter_device=store, **kwargs)
+    # Datasets given to the strategy are built on the workers themselves.
+    strategy.extended.worker_hosts = [host_cpu(d) for d in strategy.replica_devices]
+    return strategy
 
 
 def serve(config: str | None = None) -> None:

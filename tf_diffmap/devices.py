@@ -152,6 +152,17 @@ def inter_op_threads() -> int:
     return os.cpu_count() or 1
 
 
+def local_cpu() -> str:
+    """The CPU of this process's own task (where eager ops run by default)."""
+    spec = tf.DeviceSpec.from_string(tf.constant(0).device or "/device:CPU:0")
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def host_cpu(device: str) -> str:
+    """The CPU of the task that owns `device`."""
+    return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
+
+
 def _canonical(name: str) -> str:
     spec = tf.DeviceSpec.from_string(name)
     if spec.device_type is None:

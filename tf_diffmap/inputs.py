@@ -1,4 +1,4 @@
-"""Input pipelines under the strategy.
+"""Input pipelines under the strategy: on the host, or on each worker.
 
 On one host the strategy feeds whole host batches to Keras' graph, which
 splits each into one shard per replica and queues the shards for the
@@ -11,9 +11,12 @@ once.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Sequence
+
 import tensorflow as tf
 
-__all__ = ["group_replica_batches", "host_dataset"]
+__all__ = ["WorkerInput", "group_replica_batches", "host_dataset"]
 
 
 def _check_dataset(dataset) -> None:
@@ -24,6 +27,28 @@ def _check_dataset(dataset) -> None:
             "tf.data.Dataset.from_tensor_slices(...).batch(n) or pass them "
             "to model.fit directly."
         )
+
+
+def for_keras_inference() -> bool:
+    """Whether Keras' `evaluate` or `predict` is asking (not `fit`).
+
+    On a cluster, training batches are built on the workers and only tokens
+    cross from the chief; evaluation and prediction run synchronously on the
+    chief and need the batches themselves. Keras asks the strategy for a
+    distributed dataset from its epoch iterator, made in `fit`, `evaluate`
+    or `predict`: the nearest of these on the caller's stack decides.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("keras.") and module.endswith("trainer"):
+            name = frame.f_code.co_name
+            if name in ("evaluate", "predict"):
+                return True
+            if name == "fit":
+                return False
+        frame = frame.f_back
+    return False
 
 
 def host_dataset(dataset: tf.data.Dataset, failed: tf.Variable) -> tf.data.Dataset:
@@ -65,3 +90,130 @@ def group_replica_batches(dataset: tf.data.Dataset, num_replicas: int) -> tf.dat
         return joined if len(joined) > 1 else joined[0]
 
     return dataset.ragged_batch(num_replicas).map(join)
+
+
+class WorkerInput:
+    """Input built where the replicas are: one pipeline per worker task.
+
+    On a cluster, batches must not cross the chief. Each worker task builds
+    its own pipeline and keeps its own iterator; a replica loop reads its
+    shards from its worker's iterator, and what crosses from the chief is a
+    token per shard (an empty shard on the strategy's queue), which keeps
+    the shared queue's load balancing and its count of what is in flight.
+
+    From a `tf.data.Dataset` of global batches: the dataset's graph is
+    serialized on the chief once (`DatasetToGraphV2`; a dataset made from
+    NumPy arrays carries them in its graph, so they cross once per `fit`,
+    not once per batch) and rebuilt on each worker, which keeps every W-th
+    batch (`shard`) and splits each into per-replica batches of
+    ceil(B / N) examples (`rebatch`). From a dataset function: the function
+    runs on each worker with an `InputContext` (W pipelines, this worker's
+    index, N replicas) and makes per-replica batches itself. Either way the
+    pipeline repeats, so that a fast worker never runs dry; the epoch is
+    counted on the chief, in tokens.
+
+    Args:
+        worker_hosts: per replica, the CPU device of its worker task.
+        dataset: a dataset of global batches, or None with `dataset_fn`.
+        dataset_fn: `InputContext -> tf.data.Dataset` of per-replica batches.
+        failed: the strategy's failure flag (ends the chief's tokens).
+    """
+
+    def __init__(
+        self,
+        worker_hosts: Sequence[str],
+        failed: tf.Variable,
+        dataset: tf.data.Dataset | None = None,
+        dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset] | None = None,
+    ):
+        self.worker_hosts = list(worker_hosts)
+        self.workers = list(dict.fromkeys(self.worker_hosts))
+        num_replicas = len(self.worker_hosts)
+        num_workers = len(self.workers)
+        self.datasets: list[tf.data.Dataset] = []
+        if dataset is not None:
+            _check_dataset(dataset)
+            element_spec = dataset.element_spec
+            per_replica = -(-_global_batch(dataset) // num_replicas)
+            graph = tf.raw_ops.DatasetToGraphV2(
+                input_dataset=tf.data.experimental.to_variant(dataset),
+                external_state_policy=_FAIL_ON_EXTERNAL_STATE,
+                strip_device_assignment=True,
+            )
+            for index, host in enumerate(self.workers):
+                with tf.device(host):
+                    rebuilt = tf.data.experimental.from_variant(
+                        tf.raw_ops.DatasetFromGraph(graph_def=graph), element_spec
+                    )
+                    self.datasets.append(
+                        rebuilt.shard(num_workers, index).rebatch(per_replica).repeat()
+                    )
+            cardinality = int(dataset.cardinality())
+            if cardinality == tf.data.UNKNOWN_CARDINALITY:
+                # Counted once, on the chief (one pass over the pipeline).
+                cardinality = int(dataset.reduce(0, lambda count, _: count + 1))
+            steps = None if cardinality == tf.data.INFINITE_CARDINALITY else cardinality
+        else:
+            steps_total = 0
+            for index, host in enumerate(self.workers):
+                context = tf.distribute.InputContext(
+                    num_input_pipelines=num_workers,
+                    input_pipeline_id=index,
+                    num_replicas_in_sync=num_replicas,
+                )
+                with tf.device(host):
+                    made = dataset_fn(context)
+                    _check_dataset(made)
+                    cardinality = int(made.cardinality())
+                    self.datasets.append(made.repeat())
+                if cardinality < 0:
+                    steps_total = None
+                elif steps_total is not None:
+                    steps_total += cardinality
+            element_spec = self.datasets[0].element_spec
+            steps = None if steps_total is None else -(-steps_total // num_replicas)
+        # What the workers' iterators yield (per-replica batches).
+        self.element_spec = self.datasets[0].element_spec
+        self.iterators = []
+        for host, made in zip(self.workers, self.datasets):
+            with tf.device(host):
+                self.iterators.append(iter(made.prefetch(2)))
+        self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
+        token = tf.nest.map_structure(_empty_batch, element_spec)
+        ticks = tf.data.Dataset.from_tensors(token)
+        ticks = ticks.repeat() if steps is None else ticks.repeat(steps)
+        self.tokens = host_dataset(ticks, failed)
+
+    def iterator_for(self, replica_id: int):
+        """The iterator of the replica's worker task."""
+        return self._iterator_of[replica_id]
+
+
+# `DatasetToGraphV2`: refuse a dataset whose functions hold state outside it
+# (a variable, a py_function), which cannot be rebuilt on another task.
+_FAIL_ON_EXTERNAL_STATE = 2
+
+
+def _global_batch(dataset: tf.data.Dataset) -> int:
+    """The batch size B of a dataset of batches (its static size, else its first)."""
+    for spec in tf.nest.flatten(dataset.element_spec):
+        if spec.shape.rank:
+            if spec.shape[0] is not None:
+                return int(spec.shape[0])
+            break
+    first = next(iter(dataset.take(1)))
+    for tensor in tf.nest.flatten(first):
+        if tensor.shape.rank:
+            return int(tensor.shape[0])
+    raise ValueError(
+        "tf_diffmap.Strategy on a cluster splits batches between replicas, and "
+        f"this dataset's elements have no batch dimension ({dataset.element_spec}). "
+        "Batch the dataset (`dataset.batch(n)`)."
+    )
+
+
+def _empty_batch(spec: tf.TensorSpec) -> tf.Tensor:
+    """An element of `spec`'s structure with no examples: a token."""
+    if not spec.shape.rank:
+        return tf.zeros([], spec.dtype)
+    return tf.zeros([0, *(d or 0 for d in spec.shape.as_list()[1:])], spec.dtype)

@@ -126,29 +126,34 @@ def loop_function(
     channel: ShardChannel,
     apply_shard: Callable[[tf.Tensor, list[tf.Tensor]], tf.Operation],
     skip: Callable[[list[tf.Tensor]], tf.Tensor],
-) -> Callable[[tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+    fetch: Callable[..., list[tf.Tensor]] | None = None,
+) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
     """A replica loop: take and apply up to `max_steps` shards, or a STOP.
 
     Args:
-        channel: where the shards come from.
+        channel: where the shards (or tokens) come from.
         apply_shard: `(replica_id, shard) -> op`, one replica step with its
             bookkeeping, in the loop's body.
-        skip: `shard -> bool tensor`, true for a shard to drop unapplied
-            (empty, or after a replica failed).
+        skip: `item -> bool tensor`, true for an item to drop unapplied
+            (an empty shard, or anything after a replica failed).
+        fetch: where items are tokens, `(token, *sources) -> shard`: the
+            shard a token stands for, read from the loop's own sources (its
+            worker's input iterator).
 
     Returns:
-        `loop(replica_id, max_steps) -> (shards taken, whether a STOP ended
-        it)`, to be traced as a `tf.function`.
+        `loop(replica_id, max_steps, *sources) -> (items taken, whether a
+        STOP ended it)`, to be traced as a `tf.function`.
     """
 
-    def loop(replica_id, max_steps):
+    def loop(replica_id, max_steps, *sources):
         def cond(taken, stopped):
             return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
 
         def body(taken, stopped):
-            stop, shard = channel.take()
+            stop, item = channel.take()
 
             def apply():
+                shard = fetch(item, *sources) if fetch is not None else item
                 with tf.control_dependencies([apply_shard(replica_id, shard)]):
                     with tf.control_dependencies([channel.done()]):
                         return tf.constant(True)
@@ -157,13 +162,13 @@ def loop_function(
                 with tf.control_dependencies([channel.done()]):
                     return tf.constant(False)
 
-            def take_shard():
-                return tf.cond(skip(shard), drop, apply)
+            def take_item():
+                return tf.cond(skip(item), drop, apply)
 
             def end():
                 return tf.constant(False)
 
-            finished = tf.cond(stop, end, take_shard)
+            finished = tf.cond(stop, end, take_item)
             with tf.control_dependencies([finished]):
                 return taken + tf.cast(tf.logical_not(stop), tf.int32), tf.identity(stop)
 

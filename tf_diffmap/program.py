@@ -96,6 +96,9 @@ class Program:
         self.specs = specs
         self.trains = False
         self.channel: ShardChannel | None = None
+        # On a cluster with input on the workers, the queue carries tokens
+        # and each loop reads its shards from its worker's iterator.
+        self.worker_input = None
         self.loops: ReplicaLoops | None = None
         # Whether a step has finished since the last drain (Keras' graph reads
         # it to choose between a first step and a plain dispatch), and the
@@ -205,42 +208,55 @@ class Program:
     def _make_feed(self) -> None:
         """The queue, the loop functions and the variables they share."""
         extended = self.extended
-        host = extended._store.host
+        host = extended.client_host
         name = f"tf_diffmap_{len(extended._programs)}"
+        self.worker_input = extended.worker_input_for(self.specs)
         self.channel = ShardChannel(self.specs, extended.queue_size, host, name)
         _, leaves, positions = self._output_specs()
         with tf.init_scope(), tf.device(host):
             self.fresh = tf.Variable(False, trainable=False, name=f"{name}_fresh")
             for i in positions:
                 spec = leaves[i]
-                shape = [d if d is not None else 0 for d in (spec.shape.as_list() or [])]
+                known = spec.shape.rank is not None
+                shape = [d if d is not None else 0 for d in spec.shape.as_list()] if known else []
                 self.output_variables.append(
                     tf.Variable(
-                        tf.zeros(shape, spec.dtype)
-                        if spec.shape.rank is not None
-                        else tf.zeros([], spec.dtype),
+                        tf.zeros(shape, spec.dtype),
                         trainable=False,
-                        shape=tf.TensorShape(None)
-                        if not spec.shape.is_fully_defined()
-                        else spec.shape,
+                        shape=spec.shape if spec.shape.is_fully_defined() else None,
                         name=f"{name}_output_{i}",
                     )
                 )
+        sources = []
+        fetch = None
+        if self.worker_input is not None:
+            sources = [tf.data.IteratorSpec(self.worker_input.element_spec)]
+
+            def fetch(token, iterator):
+                del token  # It only stands for the shard.
+                return [tf.convert_to_tensor(t) for t in tf.nest.flatten(iterator.get_next())]
+
         self.loop_concretes = {}
         for device in dict.fromkeys(extended.replica_devices):
 
             def apply_shard(replica_id, shard, device=device):
                 return self._run_replica_step(replica_id, shard, device)[1]
 
-            loop = loop_function(self.channel, apply_shard, self._skip_shard)
+            loop = loop_function(self.channel, apply_shard, self._skip, fetch)
             with tf.device(device):
                 concrete = tf.function(loop, autograph=False).get_concrete_function(
-                    tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32)
+                    tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32), *sources
                 )
             # A first call (of no steps) prepares the function for running
             # here, once, rather than in each replica's first loop call.
-            concrete(tf.constant(0, tf.int32), tf.constant(0, tf.int32))
+            replica = extended.replica_devices.index(device)
+            concrete(tf.constant(0, tf.int32), tf.constant(0, tf.int32), *self._sources(replica))
             self.loop_concretes[device] = concrete
+
+    def _sources(self, replica_id: int) -> list:
+        if self.worker_input is None:
+            return []
+        return [self.worker_input.iterator_for(replica_id)]
 
     # -- one replica step with its bookkeeping (in a graph) --------------------
 
@@ -260,7 +276,7 @@ class Program:
             else:
                 outputs, claims = self._call_step(replica_id, shard)
         flat = self._flat_outputs(outputs)
-        with tf.control_dependencies([claims, *flat]), tf.device(store.host):
+        with tf.control_dependencies([claims, *flat]), tf.device(extended.client_host):
             done = [
                 store.completed.assign_add(claims - before, read_value=False),
                 extended.replica_steps_variable.scatter_nd_add(
@@ -280,11 +296,13 @@ class Program:
         ]
         return tf.switch_case(tf.gather(device_of, replica_id), branches)
 
-
-    def _skip_shard(self, shard) -> tf.Tensor:
-        examples = batch_size(shard)
+    def _skip(self, item) -> tf.Tensor:
+        failed = self.extended.failed.read_value()
+        if self.worker_input is not None:
+            return failed  # A token stands for a shard of the worker's input.
+        examples = batch_size(item)
         empty = tf.constant(False) if examples is None else tf.equal(examples, 0)
-        return tf.logical_or(empty, self.extended.failed.read_value())
+        return tf.logical_or(empty, failed)
 
     # -- in Keras' graph --------------------------------------------------
 
@@ -311,6 +329,18 @@ class Program:
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
         shards = split_in_graph(tensors, len(self.extended.replica_devices))
+        if self.worker_input is not None:
+            # Tokens: the first step after a drain starts the loops, and
+            # every step reports the latest outputs (from before the drain
+            # for the first; the shards are read on the workers).
+            started = tf.cond(
+                self.fresh.read_value(),
+                lambda: tf.constant(True),
+                lambda: self._start_in_graph(),
+            )
+            with tf.control_dependencies([started]):
+                flat = self._dispatch_in_graph(shards)
+            return self._pack_outputs(flat[:-1])
         flat = tf.cond(
             self.fresh.read_value(),
             lambda: self._dispatch_in_graph(shards),
@@ -336,6 +366,12 @@ class Program:
         with tf.control_dependencies([queued]):
             return [*(tf.identity(t) for t in flat), tf.constant(True)]
 
+    def _start_in_graph(self):
+        with tf.control_dependencies([self.fresh.assign(True, read_value=False)]):
+            started = tf.py_function(self._start_loops, [], tf.bool, name="tf_diffmap_start_loops")
+        started.set_shape([])
+        return started
+
     def _dispatch_in_graph(self, shards):
         queued = self.channel.put(shards)
         with tf.control_dependencies([queued]):
@@ -360,7 +396,9 @@ class Program:
         """One call of the replica's loop function (in its worker thread)."""
         concrete = self.loop_concretes[self.extended.replica_devices[replica_id]]
         taken, stopped = concrete(
-            tf.constant(replica_id, tf.int32), tf.constant(max_steps, tf.int32)
+            tf.constant(replica_id, tf.int32),
+            tf.constant(max_steps, tf.int32),
+            *self._sources(replica_id),
         )
         return int(taken), bool(stopped)
 

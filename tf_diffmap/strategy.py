@@ -38,6 +38,7 @@ from tf_diffmap import _tf_internal, inputs
 from tf_diffmap.devices import (
     default_replica_devices,
     inter_op_threads,
+    local_cpu,
     resolve_devices,
     warn_if_one_replica,
 )
@@ -73,7 +74,14 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self._store = ParameterStore(
             parameter_devices, len(replica_devices), on_host_access=self._on_host_access
         )
-        with tf.init_scope(), tf.device(self._store.host):
+        # Where Keras' graph runs (the chief on a cluster): the queue, the
+        # outputs, the flags that Keras' graph reads live here.
+        self.client_host = local_cpu()
+        # On a cluster: per replica, the CPU of its worker task, where its
+        # input is built (see `tf_diffmap.cluster`).
+        self.worker_hosts: list[str] | None = None
+        self._worker_input: inputs.WorkerInput | None = None
+        with tf.init_scope(), tf.device(self.client_host):
             # Set while a replica's error waits to be raised: the loops drop
             # what they take, and the input pipelines end.
             self.failed = tf.Variable(False, trainable=False, name="replica_failed")
@@ -379,9 +387,17 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     # -- datasets -------------------------------------------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
+        if self.worker_hosts is not None and not inputs.for_keras_inference():
+            self._worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, dataset=dataset)
+            return self._worker_input.tokens
         return inputs.host_dataset(dataset, self.failed)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        if self.worker_hosts is not None:
+            self._worker_input = inputs.WorkerInput(
+                self.worker_hosts, self.failed, dataset_fn=dataset_fn
+            )
+            return self._worker_input.tokens
         context = tf.distribute.InputContext(
             num_input_pipelines=1,
             input_pipeline_id=0,
@@ -391,6 +407,22 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             inputs.group_replica_batches(dataset_fn(context), len(self.replica_devices)),
             self.failed,
         )
+
+    def worker_input_for(self, specs) -> inputs.WorkerInput | None:
+        """The input on the workers that a new program reads, if any.
+
+        A program fed tokens of the latest distributed dataset reads its
+        shards on the workers; one fed real batches (a custom loop's
+        tensors) gets them through the queue.
+        """
+        source = self._worker_input
+        if source is None:
+            return None
+        flat = tf.nest.flatten(source.element_spec)
+        same = len(flat) == len(specs) and all(
+            a.dtype == b.dtype and a.shape.rank == b.shape.rank for a, b in zip(flat, specs)
+        )
+        return source if same else None
 
     def _experimental_distribute_values_from_function(self, value_fn):
         raise NotImplementedError(
