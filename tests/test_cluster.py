@@ -88,10 +88,10 @@ CLIENT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_training_across_worker_and_ps_processes():
+def test_training_across_worker_and_ps_processes(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", CLIENT],
-        env=CHILD_ENV,
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=200,
@@ -207,8 +207,8 @@ def test_a_killed_worker_restarts_and_serves_at_its_port(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_server_that_cannot_start_is_named_with_its_stderr():
-    local = cluster.LocalCluster(workers=1, ps=1)
+def test_a_server_that_cannot_start_is_named_with_its_stderr(tmp_path):
+    local = cluster.LocalCluster(workers=1, ps=1, log_dir=tmp_path)
     host, port = local.cluster_spec["worker"][0].rsplit(":", 1)
     taken = socket.socket()
     taken.bind((host, int(port)))  # no SO_REUSEPORT: the worker cannot bind it
@@ -218,13 +218,13 @@ def test_a_server_that_cannot_start_is_named_with_its_stderr():
             local.start()
     finally:
         taken.close()
-    assert "stderr" in str(e.value)
+    assert "stderr" in str(e.value) and str(tmp_path / "worker-0.err") in str(e.value)
     assert wait_gone(list(local.pids.values()), 1) == []
 
 
 @pytest.mark.timeout(60)
-def test_a_server_that_does_not_serve_in_time_is_a_timeout_and_is_stopped():
-    local = cluster.LocalCluster(workers=1, ps=1, start_timeout=0.2)
+def test_a_server_that_does_not_serve_in_time_is_a_timeout_and_is_stopped(tmp_path):
+    local = cluster.LocalCluster(workers=1, ps=1, start_timeout=0.2, log_dir=tmp_path)
     with pytest.raises(TimeoutError, match="did not start serving within 0.2 s"):
         local.start()
     assert wait_gone(list(local.pids.values()), 1) == []
@@ -313,11 +313,11 @@ def read_lines_until(process, marker, seconds):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_cli_prints_the_chief_tf_config_and_its_servers_end_with_it(stop):
+def test_cli_prints_the_chief_tf_config_and_its_servers_end_with_it(stop, tmp_path):
     """SIGTERM stops the servers in order; after a SIGKILL they see their stdin close."""
     process = subprocess.Popen(
         [sys.executable, "-m", "tf_diffmap.cluster", "--local", "workers=2,ps=1"],
-        env=CHILD_ENV,
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),  # its logs, even after a SIGKILL
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
