@@ -1,110 +1,346 @@
-"""The strategy on TensorFlow's distributed runtime: separate processes, 127.0.0.1."""
+"""The strategy on TensorFlow's distributed runtime: separate processes, 127.0.0.1.
+
+Every process a test stops is one it started (or one a `LocalCluster` of the
+test started), and it is stopped by its pid.
+"""
 
 import json
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
+from tf_diffmap import cluster
+from tf_diffmap.local_cluster import parse_local_spec
+
 pytestmark = pytest.mark.timeout(240)
 
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids, seconds=15.0):
+    """The pids still alive after waiting up to `seconds` for them to exit."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def accepts(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def start_bystander():
+    """A process of this test that no cluster may touch."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+# The README's example: the chief's process starts the cluster and trains on it.
 CLIENT = textwrap.dedent(
     """
     import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np
-    import tf_diffmap
     from tf_diffmap import cluster
 
-    strategy = cluster.strategy_for_cluster()
-    x = np.random.default_rng(0).normal(size=(512, 8)).astype("float32")
-    y = (x.sum(axis=1) > 0).astype("int32")
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    before = model.evaluate(x, y, verbose=0)
-    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-    after = model.evaluate(x, y, verbose=0)
-    stats = strategy.statistics()
-    print(json.dumps({
-        "replicas": list(strategy.replica_devices),
-        "store": sorted({w.value.device for w in model.weights}),
-        "version": strategy.version,
-        "updates": stats.updates.tolist(),
-        "before": before, "after": after,
-    }))
+    with cluster.LocalCluster(workers=2, ps=2, cpus_per_worker=2) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        x = np.random.default_rng(0).normal(size=(512, 8)).astype("float32")
+        y = (x.sum(axis=1) > 0).astype("int32")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = model.evaluate(x, y, verbose=0)
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        after = model.evaluate(x, y, verbose=0)
+        report = {
+            "replicas": list(strategy.replica_devices),
+            "store": sorted({w.value.device for w in model.weights}),
+            "version": strategy.version,
+            "updates": strategy.statistics().updates.tolist(),
+            "before": before, "after": after, "pids": list(local.pids.values()),
+        }
+    print(json.dumps(report))
     """
 )
 
 
 @pytest.mark.slow
 def test_training_across_worker_and_ps_processes(tmp_path):
-    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    ps = [f"127.0.0.1:{p}" for p in free_ports(2)]
-    chief = [f"127.0.0.1:{p}" for p in free_ports(1)]
-    spec = {"worker": workers, "ps": ps, "chief": chief}
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    servers = []
-    try:
-        for job, tasks in (("worker", workers), ("ps", ps)):
-            for index in range(len(tasks)):
-                config = json.dumps({"cluster": spec, "task": {"type": job, "index": index}})
-                servers.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tf_diffmap.cluster", "--tf-config", config],
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
-        client_env = dict(
-            env, TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}})
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", CLIENT],
-            env=client_env,
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-    finally:
-        for server in servers:
-            server.kill()
-            server.wait()
+    result = subprocess.run(
+        [sys.executable, "-c", CLIENT],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert [r.split("/device")[0] for r in report["replicas"]] == [
-        "/job:worker/replica:0/task:0",
-        "/job:worker/replica:0/task:1",
+    # Two worker tasks of two logical CPUs each: four replicas.
+    assert report["replicas"] == [
+        f"/job:worker/replica:0/task:{task}/device:CPU:{cpu}" for task in (0, 1) for cpu in (0, 1)
     ]
     assert {d.split("/device")[0] for d in report["store"]} == {
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",
     }
-    assert report["version"] == 3 * 16 * 2 == sum(report["updates"])
+    assert report["version"] == 3 * 16 * 4 == sum(report["updates"])
     assert min(report["updates"]) > 0
     assert report["after"] < report["before"]
+    assert len(report["pids"]) == 4
+    assert wait_gone(report["pids"]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_cluster_starts_and_stops_exactly_its_processes():
+    bystander = start_bystander()
+    try:
+        with cluster.LocalCluster(workers=2, ps=1) as local:
+            pids = local.pids
+            log_dir = local.log_dir
+            assert sorted(pids) == [("ps", 0), ("worker", 0), ("worker", 1)]
+            assert len(set(pids.values())) == 3 and bystander.pid not in pids.values()
+            assert all(alive(pid) for pid in pids.values())
+            spec = local.cluster_spec
+            assert sorted(spec) == ["chief", "ps", "worker"]
+            assert all(accepts(a) for job in ("worker", "ps") for a in spec[job])
+            for task_type in ("worker", "ps"):
+                stdout, stderr = local.log_files(task_type, 0)
+                assert '"serving"' in stdout.read_text() and stderr.exists()
+            chief = json.loads(local.tf_config("chief", 0))
+            assert chief == {"cluster": spec, "task": {"type": "chief", "index": 0}}
+            resolver = local.resolver()
+            assert resolver.task_type == "chief" and resolver.task_id == 0
+            assert resolver.master() == "grpc://" + spec["chief"][0]
+            assert resolver.cluster_spec().as_dict() == spec
+        for pid in pids.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not log_dir.exists(), "a clean exit removes its temporary logs"
+        assert bystander.poll() is None, "the cluster stopped a process it did not start"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+CHECK_WORKERS = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+    from tf_diffmap import cluster
+
+    replicas, store = cluster.connect()
+    sums = {}
+    for device in replicas:
+        with tf.device(device):
+            sums[device] = float(tf.reduce_sum(tf.identity(tf.ones([3])) * 2.0).numpy())
+    print(json.dumps(sums))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_worker_restarts_and_serves_at_its_port(tmp_path):
+    with cluster.LocalCluster(workers=2, ps=1, log_dir=tmp_path) as local:
+        address = local.cluster_spec["worker"][1]
+        first = local.pids[("worker", 1)]
+        local.kill("worker", 1)
+        assert not alive(first) and not local.is_running("worker", 1)
+        assert not accepts(address)
+        with pytest.raises(ValueError, match="not running"):
+            local.kill("worker", 1)
+
+        second = local.restart("worker", 1)
+        assert second != first and local.pids[("worker", 1)] == second
+        assert local.is_running("worker", 1) and accepts(address)
+        assert local.log_files("worker", 1)[0].name == "worker-1.2.out"
+
+        # Ctrl-C stops a server (its `join` would otherwise never see it).
+        os.kill(local.pids[("worker", 0)], signal.SIGINT)
+        deadline = time.monotonic() + 20
+        while local.is_running("worker", 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not local.is_running("worker", 0)
+        local.restart("worker", 0)
+
+        chief = subprocess.run(
+            [sys.executable, "-c", CHECK_WORKERS],
+            env=dict(CHILD_ENV, TF_CONFIG=local.tf_config("chief", 0)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert chief.returncode == 0, chief.stderr[-3000:]
+        sums = json.loads(chief.stdout.strip().splitlines()[-1])
+        assert sums == {
+            "/job:worker/replica:0/task:0/device:CPU:0": 6.0,
+            "/job:worker/replica:0/task:1/device:CPU:0": 6.0,
+        }
+        pids = list(local.pids.values())
+    assert wait_gone(pids, 1) == []
+    assert (tmp_path / "worker-1.out").exists(), "a given log_dir is kept"
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_cannot_start_is_named_with_its_stderr(tmp_path):
+    local = cluster.LocalCluster(workers=1, ps=1, log_dir=tmp_path)
+    host, port = local.cluster_spec["worker"][0].rsplit(":", 1)
+    taken = socket.socket()
+    taken.bind((host, int(port)))  # no SO_REUSEPORT: the worker cannot bind it
+    taken.listen()
+    try:
+        with pytest.raises(RuntimeError, match=r"worker 0 \(pid \d+, .*\) exited with code") as e:
+            local.start()
+    finally:
+        taken.close()
+    assert "stderr" in str(e.value) and str(tmp_path / "worker-0.err") in str(e.value)
+    assert wait_gone(list(local.pids.values()), 1) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_does_not_serve_in_time_is_a_timeout_and_is_stopped(tmp_path):
+    local = cluster.LocalCluster(workers=1, ps=1, start_timeout=0.2, log_dir=tmp_path)
+    with pytest.raises(TimeoutError, match="did not start serving within 0.2 s"):
+        local.start()
+    assert wait_gone(list(local.pids.values()), 1) == []
+    with pytest.raises(RuntimeError, match="starts once"):
+        local.start()
+
+
+def test_local_cluster_arguments_and_tasks_are_checked():
+    with pytest.raises(ValueError, match=r"workers >= 1, received 0"):
+        cluster.LocalCluster(workers=0)
+    with pytest.raises(ValueError, match=r"cpus_per_worker >= 1"):
+        cluster.LocalCluster(cpus_per_worker=0)
+    local = cluster.LocalCluster(workers=1, ps=1, chief=False)
+    assert sorted(local.cluster_spec) == ["ps", "worker"]
+    with pytest.raises(ValueError, match="chief=False"):
+        local.resolver()
+    with pytest.raises(ValueError, match="no task 'worker' 1"):
+        local.tf_config("worker", 1)
+    with pytest.raises(ValueError, match="starts only worker and ps"):
+        cluster.LocalCluster().kill("chief", 0)
+    with pytest.raises(RuntimeError, match="needs a started LocalCluster"):
+        local.restart("worker", 0)
+    assert json.loads(local.tf_config("ps", 0))["task"] == {"type": "ps", "index": 0}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("workers=2,ps=1", {"workers": 2, "ps": 1}),
+        ("workers=3,ps=2", {"workers": 3, "ps": 2}),
+        (" worker = 1 , ps=2", {"workers": 1, "ps": 2}),
+        ("ps=2", {"workers": 2, "ps": 2}),
+    ],
+)
+def test_local_spec(text, expected):
+    assert parse_local_spec(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("nodes=2", "unknown job 'nodes'"),
+        ("chief=1", "chief is not started by --local"),
+        ("workers=0", "at least 1, received '0'"),
+        ("ps=-1", "at least 1, received '-1'"),
+        ("workers=two", "at least 1, received 'two'"),
+        ("workers", "'workers' is not job=count"),
+        ("workers=2,", "'' is not job=count"),
+        ("workers=2,workers=3", "given twice"),
+    ],
+)
+def test_bad_local_spec_says_what_and_shows_an_example(text, message):
+    with pytest.raises(ValueError, match="for example --local workers=2,ps=1") as e:
+        parse_local_spec(text)
+    assert message in str(e.value)
+
+
+def test_cli_refuses_a_bad_local_spec_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as e:
+        cluster.main(["--local", "workers=2,ps=0"])
+    assert e.value.code == 2
+    assert "ps needs a whole number of at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cluster.main(["--logical-cpus", "0"])
+    assert "--logical-cpus needs N >= 1" in capsys.readouterr().err
+
+
+def read_lines_until(process, marker, seconds):
+    """The stdout lines of `process` up to the one starting with `marker`."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in process.stdout] + [lines.put(None)],
+        daemon=True,
+    ).start()
+    seen = []
+    deadline = time.monotonic() + seconds
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError(f"stdout ended before {marker!r}: {seen}")
+        seen.append(line.rstrip("\n"))
+        if line.startswith(marker):
+            return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_cli_prints_the_chief_tf_config_and_its_servers_end_with_it(stop, tmp_path):
+    """SIGTERM stops the servers in order; after a SIGKILL they see their stdin close."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_diffmap.cluster", "--local", "workers=2,ps=1"],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),  # its logs, even after a SIGKILL
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        lines = read_lines_until(process, "Serving until", 90)
+        pids = [int(line.rsplit("pid ", 1)[1]) for line in lines if " pid " in line]
+        assert len(pids) == 3 and all(alive(pid) for pid in pids)
+        (config_line,) = [line for line in lines if line.startswith("{")]
+        config = json.loads(config_line)
+        assert config["task"] == {"type": "chief", "index": 0}
+        assert [len(config["cluster"][job]) for job in ("worker", "ps", "chief")] == [2, 1, 1]
+        assert all(accepts(a) for job in ("worker", "ps") for a in config["cluster"][job])
+        process.send_signal(stop)
+        assert process.wait(timeout=60) == (0 if stop == signal.SIGTERM else -stop)
+        assert wait_gone(pids, 15) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_a_process_that_is_not_a_client_is_refused(monkeypatch):
-    from tf_diffmap import cluster
-
     spec = {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
     monkeypatch.setenv(
         "TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}})
@@ -114,8 +350,6 @@ def test_a_process_that_is_not_a_client_is_refused(monkeypatch):
 
 
 def test_no_cluster_says_what_to_set(monkeypatch):
-    from tf_diffmap import cluster
-
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ValueError, match="set TF_CONFIG"):
         cluster.connect()
