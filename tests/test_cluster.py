@@ -60,7 +60,7 @@ CLIENT = textwrap.dedent(
     """
     import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    import keras, numpy as np
+    import keras, numpy as np, tensorflow as tf
     from tf_diffmap import cluster
 
     with cluster.LocalCluster(workers=2, ps=2, cpus_per_worker=2) as local:
@@ -75,7 +75,15 @@ CLIENT = textwrap.dedent(
         before = model.evaluate(x, y, verbose=0)
         model.fit(x, y, batch_size=32, epochs=3, verbose=0)
         after = model.evaluate(x, y, verbose=0)
+        # What the chief's Keras loop iterates, and where the replicas' input is.
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        chief_batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        worker_batches = [next(it) for it in strategy.extended._worker_input.iterators]
         report = {
+            "chief_rows": [int(t.shape[0]) for t in chief_batch],
+            "worker_rows": [int(b[0].shape[0]) for b in worker_batches],
+            "worker_batch_devices": [b[0].device for b in worker_batches],
+            "examples": strategy.statistics().examples.tolist(),
             "replicas": list(strategy.replica_devices),
             "store": sorted({w.value.device for w in model.weights}),
             "version": strategy.version,
@@ -108,6 +116,16 @@ def test_training_across_worker_and_ps_processes(tmp_path):
     }
     assert report["version"] == 3 * 16 * 4 == sum(report["updates"])
     assert min(report["updates"]) > 0
+    # Each worker task built its own pipeline: the chief's loop iterates
+    # empty tokens, the batches are made on the workers, in per-replica
+    # batches (32 / 4 replicas), and the replicas saw every example.
+    assert report["chief_rows"] == [0, 0]
+    assert report["worker_rows"] == [8, 8]
+    assert [d.split("/device")[0] for d in report["worker_batch_devices"]] == [
+        "/job:worker/replica:0/task:0",
+        "/job:worker/replica:0/task:1",
+    ]
+    assert sum(report["examples"]) == 3 * 512
     assert report["after"] < report["before"]
     assert len(report["pids"]) == 4
     assert wait_gone(report["pids"]) == []

@@ -244,3 +244,27 @@ def test_custom_training_loop_with_strategy_run(data):
     strategy.drain()
     assert strategy.version == 3 * (len(x) // BATCH) * 4
     assert float(loss_fn(y, model(x))) < first
+
+
+@pytest.mark.parametrize(
+    "steps_per_loop, batch, n, steps_per_execution",
+    [(1, 32, 512, 1), (3, 30, 500, 1), (32, 64, 514, 4), (32, 16, 258, 16)],
+)
+def test_replica_loops_apply_exactly_one_update_per_shard(
+    steps_per_loop, batch, n, steps_per_execution
+):
+    """Loops of K shards, odd batch sizes, a last batch smaller than the replicas."""
+    x, y = classification_data(n)
+    strategy, model = async_mlp(
+        "sgd",
+        compile_kwargs={"steps_per_execution": steps_per_execution},
+        steps_per_loop=steps_per_loop,
+    )
+    model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    updates = expected_updates(n, batch, 4, 2)
+    stats = strategy.statistics()
+    assert strategy.version == updates == int(stats.updates.sum())
+    assert int(model.optimizer.iterations.numpy()) == updates
+    assert sum(strategy.replica_steps()) == updates
+    assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
+    assert strategy.extended.in_flight() == 0
