@@ -237,8 +237,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             return self._run_eagerly(fn, args, kwargs)
         if _tf_internal.in_xla_context():
             raise ValueError(
-                "tf_diffmap.Strategy hands each step to its replicas through "
-                "tf.py_function, which XLA cannot compile, and this step is "
+                "tf_diffmap.Strategy hands each step's shards to its replicas "
+                "through a tf.queue.FIFOQueue (and starts their loops with a "
+                "tf.py_function), which XLA cannot compile, and this step is "
                 "being compiled (jit_compile=True). Compile the model with "
                 "jit_compile=False."
             )
