@@ -371,3 +371,67 @@ def test_no_cluster_says_what_to_set(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     with pytest.raises(ValueError, match="set TF_CONFIG"):
         cluster.connect()
+
+
+FUNCTION_CLIENT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import keras, numpy as np, tensorflow as tf
+    from tf_diffmap import cluster
+
+    x = np.random.default_rng(0).normal(size=(512, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append([context.num_input_pipelines, context.input_pipeline_id,
+                         context.get_per_replica_batch_size(32)])
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        return ds.batch(context.get_per_replica_batch_size(32))
+
+    with cluster.LocalCluster(workers=2, ps=1) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        report = {}
+        stateful = tf.data.Dataset.from_tensor_slices(x).map(
+            lambda t: tf.py_function(lambda a: a, [t], tf.float32)).batch(8)
+        try:
+            strategy.experimental_distribute_dataset(stateful)
+        except ValueError as error:
+            report["stateful_error"] = str(error)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=2, verbose=0)
+        report.update({
+            "contexts": contexts,
+            "version": strategy.version,
+            "examples": strategy.statistics().examples.tolist(),
+        })
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.slow
+def test_dataset_functions_run_on_each_worker_and_stateful_datasets_are_refused(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", FUNCTION_CLIENT],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "cannot be rebuilt on another task" in report["stateful_error"]
+    assert "distribute_datasets_from_function" in report["stateful_error"]
+    # Two pipelines, one per worker task, each making per-replica batches
+    # (32 over 2 replicas).
+    assert report["contexts"] == [[2, 0, 16], [2, 1, 16]]
+    # Each worker's 256 examples make 16 batches of 16: 32 per epoch in all,
+    # one update each (tokens per epoch: 32 batches / 2 replicas per step).
+    assert report["version"] == 2 * 32
+    assert sum(report["examples"]) == 2 * 512

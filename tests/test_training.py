@@ -268,3 +268,15 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     assert sum(strategy.replica_steps()) == updates
     assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
     assert strategy.extended.in_flight() == 0
+
+
+def test_batches_of_static_shape_end_epochs_cleanly(data):
+    """A known batch shape lets the graph optimizer fold shape ops: nothing may
+    then count shards of the batch that never arrives at the end of the data."""
+    x, y = data
+    strategy, model = async_mlp()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+    assert ds.element_spec[0].shape[0] == BATCH
+    model.fit(ds, epochs=2, verbose=0)
+    assert strategy.version == 2 * (len(x) // BATCH) * 4
+    assert strategy.extended.in_flight() == 0

@@ -11,6 +11,7 @@ once.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -135,11 +136,21 @@ class WorkerInput:
             _check_dataset(dataset)
             element_spec = dataset.element_spec
             per_replica = -(-_global_batch(dataset) // num_replicas)
-            graph = tf.raw_ops.DatasetToGraphV2(
-                input_dataset=tf.data.experimental.to_variant(dataset),
-                external_state_policy=_FAIL_ON_EXTERNAL_STATE,
-                strip_device_assignment=True,
-            )
+            try:
+                graph = tf.raw_ops.DatasetToGraphV2(
+                    input_dataset=tf.data.experimental.to_variant(dataset),
+                    external_state_policy=_FAIL_ON_EXTERNAL_STATE,
+                    strip_device_assignment=True,
+                )
+            except tf.errors.OpError as error:
+                raise ValueError(
+                    "On a cluster every worker task builds the input pipeline "
+                    "itself, and this dataset cannot be rebuilt on another task: "
+                    f"{_first_line(error.message)} Build it from a function "
+                    "instead, on each worker: "
+                    "strategy.distribute_datasets_from_function(lambda context: ...) "
+                    "(see the README, 'Where the input is built')."
+                ) from error
             for index, host in enumerate(self.workers):
                 with tf.device(host):
                     rebuilt = tf.data.experimental.from_variant(
@@ -192,6 +203,12 @@ class WorkerInput:
 # `DatasetToGraphV2`: refuse a dataset whose functions hold state outside it
 # (a variable, a py_function), which cannot be rebuilt on another task.
 _FAIL_ON_EXTERNAL_STATE = 2
+
+
+def _first_line(message: str) -> str:
+    """A runtime error's own sentence, without its op and function names."""
+    line = re.sub(r"\{\{[^}]*\}\}\s*", "", message.splitlines()[0])
+    return re.sub(r"\s*\[Op:.*$", "", line).strip()
 
 
 def _global_batch(dataset: tf.data.Dataset) -> int:

@@ -56,18 +56,23 @@ class ShardChannel:
     # -- in graphs ------------------------------------------------------------
 
     def put(self, shards: Sequence[Sequence[tf.Tensor]]) -> tf.Operation:
-        """Counts, then queues, shards (in the caller's graph)."""
+        """Queues shards, then counts them (in the caller's graph).
+
+        Counted after they are queued: where a batch never arrives (at the
+        end of the data Keras' `get_next` fails) nothing is counted, however
+        the graph optimizer folds the batch's shape ops. A loop may count a
+        shard done a moment before it is counted put; the caller reads what
+        is in flight only after its step has returned.
+        """
         if not shards:
             return tf.no_op()
-        # Counted from the shards' own sizes, so that a batch that never
-        # arrives (the end of the data) is not counted as put.
         with tf.device(self.device):
-            sizes = tf.stack([_examples(shard) for shard in shards])
-            count = tf.reduce_sum(tf.cast(sizes >= 0, tf.int64))
-            counted = self.progress.scatter_nd_add([[_PUT]], tf.reshape(count, [1]))
             stop = tf.constant(False)
-            with tf.control_dependencies([counted]):
-                return tf.group([self.queue.enqueue([stop, *shard]) for shard in shards])
+            queued = [self.queue.enqueue([stop, *shard]) for shard in shards]
+            with tf.control_dependencies(queued):
+                return self.progress.scatter_nd_add(
+                    [[_PUT]], [tf.constant(len(shards), tf.int64)]
+                ).op
 
     def take(self) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """Takes the next item (blocks while there is none): (is STOP, shard)."""
@@ -89,7 +94,7 @@ class ShardChannel:
     def pending(self) -> int:
         """Shards put and not yet applied or dropped (one consistent read)."""
         put, done = self.progress.numpy()
-        return int(put - done)
+        return max(int(put - done), 0)
 
     def count_failed(self) -> None:
         """Counts the shard a failed loop took, which it could not count."""
@@ -113,13 +118,6 @@ class ShardChannel:
         with tf.device(self.device):
             for _ in range(count):
                 self.queue.enqueue([tf.constant(True), *empty])
-
-
-def _examples(shard: Sequence[tf.Tensor]) -> tf.Tensor:
-    for tensor in shard:
-        if tensor.shape.rank:
-            return tf.shape(tensor, out_type=tf.int64)[0]
-    return tf.size(shard[0], out_type=tf.int64) if shard else tf.constant(1, tf.int64)
 
 
 def loop_function(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         # input is built (see `tf_diffmap.cluster`).
         self.worker_hosts: list[str] | None = None
         self._worker_input: inputs.WorkerInput | None = None
+        self._made_here: weakref.WeakSet = weakref.WeakSet()
         with tf.init_scope(), tf.device(self.client_host):
             # Set while a replica's error waits to be raised: the loops drop
             # what they take, and the input pipelines end.
@@ -387,26 +389,36 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     # -- datasets -------------------------------------------------------------
 
+    def _distributed(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        # Keras distributes what `fit` is given unless it is distributed
+        # already; a dataset this strategy made must come back as it is.
+        self._made_here.add(dataset)
+        return dataset
+
     def _experimental_distribute_dataset(self, dataset, options):
+        if dataset in self._made_here:
+            return dataset
         if self.worker_hosts is not None and not inputs.for_keras_inference():
             self._worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, dataset=dataset)
-            return self._worker_input.tokens
-        return inputs.host_dataset(dataset, self.failed)
+            return self._distributed(self._worker_input.tokens)
+        return self._distributed(inputs.host_dataset(dataset, self.failed))
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if self.worker_hosts is not None:
             self._worker_input = inputs.WorkerInput(
                 self.worker_hosts, self.failed, dataset_fn=dataset_fn
             )
-            return self._worker_input.tokens
+            return self._distributed(self._worker_input.tokens)
         context = tf.distribute.InputContext(
             num_input_pipelines=1,
             input_pipeline_id=0,
             num_replicas_in_sync=len(self.replica_devices),
         )
-        return inputs.host_dataset(
-            inputs.group_replica_batches(dataset_fn(context), len(self.replica_devices)),
-            self.failed,
+        return self._distributed(
+            inputs.host_dataset(
+                inputs.group_replica_batches(dataset_fn(context), len(self.replica_devices)),
+                self.failed,
+            )
         )
 
     def worker_input_for(self, specs) -> inputs.WorkerInput | None:
