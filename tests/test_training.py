@@ -271,8 +271,7 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
 
 
 def test_batches_of_static_shape_end_epochs_cleanly(data):
-    """A known batch shape lets the graph optimizer fold shape ops: nothing may
-    then count shards of the batch that never arrives at the end of the data."""
+    """Batches of a static shape (`drop_remainder=True`), to the end of the data."""
     x, y = data
     strategy, model = async_mlp()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
