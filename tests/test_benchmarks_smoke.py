@@ -164,13 +164,10 @@ def test_smoke_control_and_cluster(tmp_path):
         assert row["examples_per_second"]["median"] > 0
         assert row["replica_ms_per_update"]["median"] > 0
 
-    keys = {t["key"] for t in results["targets"]}
-    assert keys == {
-        "control_spe16",
-        "control_spe1",
-        "cluster_vs_in_process",
-        "cluster_vs_parameter_server",
-    }
+    targets = {t["key"]: t for t in results["targets"]}
+    for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
+        assert targets[key]["measured"] > 0 and targets[key]["met"] in (True, False)
+    assert "cluster_vs_parameter_server" in targets
     markdown = (tmp_path / "results.md").read_text()
     assert "## Control path" in markdown and "## Cluster" in markdown
     assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
