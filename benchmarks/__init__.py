@@ -12,6 +12,8 @@ reports medians. Modules:
 - `plan`: what a full, quick or smoke run measures (presets, one place);
 - `workloads`: data sets and models, shared by Keras 3 and tf-keras;
 - `contenders`: the strategies compared, and how each is built;
+- `servers`: plain `tf.distribute.Server`s on localhost, for tf-keras'
+  ParameterServerStrategy (whose environment has no `tf_diffmap`);
 - `worker`: runs one session (one contender, one device count) and prints JSON;
 - `suite`: the command line, calibration, interleaved repeats;
 - `report`: medians, the issue's targets, `results.md`;

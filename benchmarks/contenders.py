@@ -2,8 +2,10 @@
 
 `CONTENDERS` describes them for the parent process (labels, which Python runs
 them); `Runtime` builds one inside a worker process, after the logical devices
-are made. Each contender gets the same logical CPU devices, the same model, the
-same data and the same global batch size.
+are made. Each contender gets the same devices (logical CPU devices, or GPUs
+with `device="gpu"`), the same model, the same data and the same global batch
+size. The two cluster contenders start their own localhost cluster of worker
+and ps processes, which `Runtime.close` stops.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ CONTENDERS = {
         Contender("tf_diffmap", "tf_diffmap", asynchronous=True),
         Contender("tf_diffmap_bounded", "tf_diffmap bounded", asynchronous=True),
         Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
+        Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
+        Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
     )
 }
+
+DEVICES = ("cpu", "gpu")
 
 
 def label(name: str, max_staleness: int | None = None) -> str:
@@ -69,6 +75,14 @@ class Runtime:
             on this 2-core host) or `"collective"` (MirroredStrategy's own
             choice on CPUs in TF 2.21).
         replicas_per_device: tf_diffmap's replicas on each device.
+        steps_per_loop: tf_diffmap's `Strategy(steps_per_loop=K)` (None: its
+            default).
+        device: `"cpu"` (replicas are logical CPU devices) or `"gpu"` (one
+            GPU per replica, or `gpu_memory_mb` slices of the first GPU when
+            there are fewer GPUs than replicas).
+        gpu_memory_mb: memory of each logical GPU when a GPU is split.
+        cluster: `{"workers": n, "ps": m}` for the cluster contenders: the
+            localhost cluster to start (its servers see no GPU).
     """
 
     def __init__(
@@ -78,26 +92,33 @@ class Runtime:
         max_staleness: int | None = None,
         mirrored_reduce: str = "one_device",
         replicas_per_device: int = 1,
+        steps_per_loop: int | None = None,
+        device: str = "cpu",
+        gpu_memory_mb: int | None = None,
+        cluster: dict[str, int] | None = None,
     ):
         if contender not in CONTENDERS:
             raise ValueError(
                 f"Unknown contender {contender!r}; expected one of {list(CONTENDERS)}."
             )
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, received {device!r}.")
         self.name = contender
         self.replicas = replicas
         self.legacy = CONTENDERS[contender].legacy
         self.max_staleness = max_staleness
         self.mirrored_reduce = mirrored_reduce
         self.replicas_per_device = replicas_per_device
+        self.steps_per_loop = steps_per_loop
+        self.device = device
+        self.cluster = cluster
+        self._servers = None  # the localhost cluster of a cluster contender
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if self.legacy:
             os.environ["TF_USE_LEGACY_KERAS"] = "1"
             import tensorflow as tf
 
-            cpu = tf.config.list_physical_devices("CPU")[0]
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)]
-            )
+            split = _logical_devices(tf)
             self.keras: ModuleType = tf.keras
             import tf_keras
 
@@ -105,7 +126,7 @@ class Runtime:
         else:
             import tf_diffmap
 
-            tf_diffmap.split_devices(replicas, "CPU")
+            split = tf_diffmap.split_devices
             import keras
             import tensorflow as tf
 
@@ -113,13 +134,56 @@ class Runtime:
             self.keras_version = f"Keras {keras.__version__}"
             self.tf_diffmap_version = tf_diffmap.__version__
         self.tf = tf
-        self.devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
-        self.strategy = self._make_strategy()
+        if contender in ("tf_diffmap_cluster", "parameter_server"):
+            self.devices: list[str] = []  # the workers' devices, once connected
+        else:
+            self.devices = _replica_devices(tf, replicas, device, gpu_memory_mb, split)
+        try:
+            self.strategy = self._make_strategy()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stops the localhost cluster this runtime started, if any."""
+        if self._servers is not None:
+            servers, self._servers = self._servers, None
+            servers.stop()
 
     def _make_strategy(self):
         tf = self.tf
         if self.name == "plain_keras":
             return None
+        if self.name == "tf_diffmap_cluster":
+            from tf_diffmap import cluster
+
+            self._servers = cluster.LocalCluster(
+                workers=self.cluster["workers"],
+                ps=self.cluster["ps"],
+                env={"CUDA_VISIBLE_DEVICES": ""},
+            ).start()
+            strategy = cluster.strategy_for_cluster(
+                self._servers.resolver(), **self._tf_diffmap_options()
+            )
+            self.devices = list(strategy.replica_devices)
+            return strategy
+        if self.name == "parameter_server":
+            import sys
+
+            from benchmarks.servers import LocalServers
+
+            self._servers = LocalServers(
+                workers=self.cluster["workers"],
+                ps=self.cluster["ps"],
+                python=sys.executable,
+                env={"CUDA_VISIBLE_DEVICES": ""},
+            ).start()
+            strategy = tf.distribute.experimental.ParameterServerStrategy(self._servers.resolver())
+            self.devices = [
+                f"/job:worker/replica:0/task:{i}/device:CPU:0"
+                for i in range(self.cluster["workers"])
+            ]
+            return strategy
         if self.name == "mirrored":
             if self.mirrored_reduce == "one_device":
                 ops = tf.distribute.ReductionToOneDevice()
@@ -133,15 +197,23 @@ class Runtime:
             return tf.distribute.MirroredStrategy(self.devices, cross_device_ops=ops)
         if self.name == "central_storage":
             return tf.distribute.experimental.CentralStorageStrategy(
-                compute_devices=self.devices, parameter_device=self.devices[0]
+                compute_devices=self.devices,
+                parameter_device=self.devices[0] if self.device == "cpu" else "/device:CPU:0",
             )
         import tf_diffmap
 
         if self.name == "tf_diffmap":
             return tf_diffmap.Strategy(
-                devices=self.devices, replicas_per_device=self.replicas_per_device
+                devices=self.devices,
+                replicas_per_device=self.replicas_per_device,
+                **self._tf_diffmap_options(),
             )
-        return tf_diffmap.Strategy(devices=self.devices, max_staleness=self.max_staleness)
+        return tf_diffmap.Strategy(
+            devices=self.devices, max_staleness=self.max_staleness, **self._tf_diffmap_options()
+        )
+
+    def _tf_diffmap_options(self) -> dict[str, Any]:
+        return {} if self.steps_per_loop is None else {"steps_per_loop": self.steps_per_loop}
 
     def scope(self):
         """The strategy's scope (a no-op for plain Keras)."""
@@ -193,3 +265,49 @@ class Runtime:
         if not self.asynchronous:
             return None
         return list(self.strategy.replica_steps())
+
+
+def _logical_devices(tf):
+    """`split_devices` for tf-keras' environment, which has no `tf_diffmap`."""
+
+    def split(count: int, kind: str, memory_mb: int | None) -> list[str]:
+        physical = tf.config.list_physical_devices(kind)[0]
+        tf.config.set_logical_device_configuration(
+            physical,
+            [tf.config.LogicalDeviceConfiguration(memory_limit=memory_mb) for _ in range(count)],
+        )
+        return [d.name for d in tf.config.list_logical_devices(kind)]
+
+    return split
+
+
+def _replica_devices(tf, replicas: int, device: str, gpu_memory_mb, split) -> list[str]:
+    """The replicas' devices: logical CPUs, one GPU each, or slices of the first GPU.
+
+    Args:
+        tf: TensorFlow, its devices not yet initialized.
+        replicas: how many devices.
+        device: `"cpu"` or `"gpu"`.
+        gpu_memory_mb: memory of each slice when a GPU is split.
+        split: `(count, kind, memory_mb) -> device names` (`split_devices`).
+
+    Raises:
+        RuntimeError: `"gpu"` in a process that sees no GPU.
+        ValueError: a GPU to split without `gpu_memory_mb`.
+    """
+    if device == "cpu":
+        return split(replicas, "CPU", None)[:replicas]
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise RuntimeError(
+            "device 'gpu' was asked for, but this process sees no GPU "
+            "(tf.config.list_physical_devices('GPU') is empty); use device 'cpu'."
+        )
+    if len(gpus) >= replicas:
+        return [d.name for d in tf.config.list_logical_devices("GPU")][:replicas]
+    if gpu_memory_mb is None:
+        raise ValueError(
+            f"{replicas} replicas on {len(gpus)} GPU(s) split the first GPU, which needs "
+            "gpu_memory_mb (the memory of each slice, for example 2048)."
+        )
+    return split(replicas, "GPU", gpu_memory_mb)[:replicas]

@@ -13,10 +13,29 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["Plan", "PRESETS", "WORKLOADS", "sessions", "steps_per_epoch", "timed_task"]
+__all__ = [
+    "Plan",
+    "PRESETS",
+    "WORKLOADS",
+    "CLUSTER_CONTENDERS",
+    "sessions",
+    "steps_per_epoch",
+    "timed_task",
+]
 
 # What a plan can measure; `Plan.workloads` (and `--only`) picks among them.
-WORKLOADS = ("throughput", "straggler", "accuracy", "points", "high_staleness")
+WORKLOADS = (
+    "throughput",
+    "straggler",
+    "accuracy",
+    "points",
+    "control",
+    "cluster",
+    "high_staleness",
+)
+
+# Contenders that only the cluster workload runs (each brings its own cluster).
+CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +102,31 @@ class Plan:
         high_staleness_epochs: epochs over digits' training set.
         high_staleness_batch_size: the global batch size there.
         high_staleness_drop_above: the bound of the "drop" rule there.
+        control_contenders: the control workload's contenders: plain Keras on
+            one device against tf_diffmap on `control_replicas` devices.
+        control_replicas: tf_diffmap's replicas there.
+        control_batch_size: the global batch size there (a shard of
+            `control_batch_size / control_replicas` examples per update).
+        control_learning_rate: SGD's learning rate there.
+        control_steps_per_epoch: Keras steps in one epoch there (a multiple
+            of every `steps_per_execution`).
+        control_steps_per_execution: the `compile(steps_per_execution=...)`
+            values, each a timed window of every session.
+        control_steps_per_loop: tf_diffmap's `Strategy(steps_per_loop=K)`
+            values, each a session of its own (32 is the default).
+        control_min_epochs: a control window lasts at least this many epochs...
+        control_min_seconds: ... and at least this many seconds.
+        cluster_contenders: the cluster workload's contenders: tf_diffmap on a
+            localhost cluster, tf_diffmap with the same replicas in one
+            process, tf-keras' ParameterServerStrategy on its own cluster.
+        cluster_workers: worker tasks (one replica each) of both clusters, and
+            logical CPU devices of the in-process reference.
+        cluster_ps: parameter-server tasks of both clusters.
+        cluster_model: a key of `workloads.MODELS` (digits-shaped random data).
+        cluster_batch_size: the global batch size there.
+        cluster_examples_per_epoch: examples of one epoch there.
+        cluster_min_epochs: a cluster window lasts at least this many epochs...
+        cluster_min_seconds: ... and at least this many seconds.
     """
 
     name: str
@@ -123,7 +167,14 @@ class Plan:
     points_epochs: int = 3
     points_rounds: int = 3
     seed: int = 0
-    workloads: tuple[str, ...] = ("throughput", "straggler", "accuracy", "points")
+    workloads: tuple[str, ...] = (
+        "throughput",
+        "straggler",
+        "accuracy",
+        "points",
+        "control",
+        "cluster",
+    )
     high_staleness_devices: int = 4
     high_staleness_replicas_per_device: int = 4
     high_staleness_rows: tuple[tuple[str, str], ...] = (
@@ -139,6 +190,23 @@ class Plan:
     high_staleness_epochs: int = 15
     high_staleness_batch_size: int = 256
     high_staleness_drop_above: int = 16
+    control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap")
+    control_replicas: int = 4
+    control_batch_size: int = 16
+    control_learning_rate: float = 0.01
+    control_steps_per_epoch: int = 512
+    control_steps_per_execution: tuple[int, ...] = (16, 1)
+    control_steps_per_loop: tuple[int, ...] = (32, 1)
+    control_min_epochs: int = 3
+    control_min_seconds: float = 2.0
+    cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "tf_diffmap", "parameter_server")
+    cluster_workers: int = 2
+    cluster_ps: int = 1
+    cluster_model: str = "mlp_wide"
+    cluster_batch_size: int = 128
+    cluster_examples_per_epoch: int = 4096
+    cluster_min_epochs: int = 3
+    cluster_min_seconds: float = 3.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -163,6 +231,10 @@ PRESETS = {
         accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap"),
         min_epochs=3,
         min_seconds=1.0,
+        control_steps_per_epoch=256,
+        control_min_seconds=1.0,
+        cluster_examples_per_epoch=2048,
+        cluster_min_seconds=1.5,
     ),
     # Two sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
@@ -187,6 +259,15 @@ PRESETS = {
         points_replicas=2,
         points_epochs=1,
         points_rounds=1,
+        # Their own smoke test runs control and cluster (`--only control,cluster`).
+        workloads=("throughput", "straggler", "accuracy", "points"),
+        control_steps_per_epoch=32,
+        control_steps_per_loop=(32,),
+        control_min_epochs=1,
+        control_min_seconds=0.0,
+        cluster_examples_per_epoch=512,
+        cluster_min_epochs=1,
+        cluster_min_seconds=0.0,
     ),
 }
 
@@ -251,6 +332,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
     out = []
     for replicas in sorted(counts):
         for contender in plan.contenders:
+            if contender in CLUSTER_CONTENDERS:
+                continue
             if contender == "plain_keras" and replicas != 1:
                 continue
             if replicas == 1 and contender == "tf_diffmap_bounded":
@@ -303,9 +386,73 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                         "tasks": tasks,
                     }
                 )
+    if "control" in plan.workloads:
+        out += _control_sessions(plan)
+    if "cluster" in plan.workloads:
+        out += _cluster_sessions(plan)
     if "high_staleness" in plan.workloads:
         out += _high_staleness_sessions(plan)
     return out
+
+
+def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
+    """Plain Keras on one device; tf_diffmap on `control_replicas`, once per K.
+
+    Every session times one window per `steps_per_execution`.
+    """
+    tasks = [
+        {
+            "kind": "control",
+            "steps_per_execution": n,
+            "batch_size": plan.control_batch_size,
+            "learning_rate": plan.control_learning_rate,
+            "steps_per_epoch": plan.control_steps_per_epoch,
+            "min_epochs": plan.control_min_epochs,
+            "min_seconds": plan.control_min_seconds,
+        }
+        for n in plan.control_steps_per_execution
+    ]
+    out = []
+    for contender in plan.control_contenders:
+        if contender == "plain_keras":
+            out.append({"contender": contender, "replicas": 1, "seed": plan.seed, "tasks": tasks})
+        elif contender == "tf_diffmap":
+            out += [
+                {
+                    "contender": contender,
+                    "replicas": plan.control_replicas,
+                    "steps_per_loop": k,
+                    "seed": plan.seed,
+                    "tasks": tasks,
+                }
+                for k in plan.control_steps_per_loop
+            ]
+    return out
+
+
+def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
+    """The same workload on a localhost cluster, in one process, and under PSS."""
+    task = {
+        "kind": "cluster",
+        "model": plan.cluster_model,
+        "batch_size": plan.cluster_batch_size,
+        "learning_rate": plan.learning_rate,
+        "examples_per_epoch": plan.cluster_examples_per_epoch,
+        "min_epochs": plan.cluster_min_epochs,
+        "min_seconds": plan.cluster_min_seconds,
+    }
+    return [
+        {
+            "contender": contender,
+            "replicas": plan.cluster_workers,
+            "cluster": {"workers": plan.cluster_workers, "ps": plan.cluster_ps}
+            if contender in CLUSTER_CONTENDERS
+            else None,
+            "seed": plan.seed,
+            "tasks": [task],
+        }
+        for contender in plan.cluster_contenders
+    ]
 
 
 def _high_staleness_sessions(plan: Plan) -> list[dict[str, Any]]:

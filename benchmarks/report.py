@@ -60,7 +60,37 @@ TARGETS = (
         ">=",
         -0.5,
     ),
+    (
+        "control_spe16",
+        "Control path, steps_per_execution=16: tf_diffmap updates/s / plain Keras steps/s",
+        ">=",
+        1.0,
+    ),
+    (
+        "control_spe1",
+        "Control path, steps_per_execution=1: tf_diffmap updates/s / plain Keras steps/s",
+        ">=",
+        2.5,
+    ),
+    (
+        "cluster_vs_in_process",
+        "Cluster: tf_diffmap on the localhost cluster / the same replicas in one process",
+        ">=",
+        0.6,
+    ),
+    (
+        "cluster_vs_parameter_server",
+        "Cluster: tf_diffmap / ParameterServerStrategy (tf-keras) on the same cluster shape",
+        ">=",
+        3.0,
+    ),
 )
+
+# The targets each workload's own section shows (the rest are the timed ones).
+CONTROL_TARGETS = ("control_spe16", "control_spe1")
+CLUSTER_TARGETS = ("cluster_vs_in_process", "cluster_vs_parameter_server")
+# The tf_diffmap default K, which the control targets are read at.
+DEFAULT_STEPS_PER_LOOP = 32
 
 
 def _median(values) -> float | None:
@@ -327,12 +357,129 @@ def points_summary(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _control(runs) -> list[dict[str, Any]]:
+    """Per contender, K and steps_per_execution: Keras steps/s and updates/s."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for session, task, result in _tasks(runs, "control"):
+        key = (session["contender"], result.get("steps_per_loop"), task["steps_per_execution"])
+        groups[key].append(result)
+    order = {name: i for i, name in enumerate(CONTENDERS)}
+    rows = []
+    for (contender, k, spe), results in sorted(
+        groups.items(), key=lambda item: (order[item[0][0]], -(item[0][1] or 0), -item[0][2])
+    ):
+        rows.append(
+            {
+                "contender": contender,
+                "label": label(contender),
+                "steps_per_loop": k,
+                "steps_per_execution": spe,
+                "updates_per_step": results[0].get("updates_per_step"),
+                "steps_per_second": _spread(r["steps_per_second"] for r in results),
+                "updates_per_second": _spread(r["updates_per_second"] for r in results),
+                "updates_counted": [r.get("updates_counted") for r in results],
+                "updates_expected": [r.get("updates_expected") for r in results],
+                "mean_staleness": _median(
+                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
+                ),
+                "runs": len(results),
+            }
+        )
+    return rows
+
+
+def _cluster(runs) -> list[dict[str, Any]]:
+    """Per contender: examples/s of the cluster workload and a replica's time per update."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for session, _, result in _tasks(runs, "cluster"):
+        groups[session["contender"]].append({**result, "_devices": session.get("devices")})
+    order = {name: i for i, name in enumerate(CONTENDERS)}
+    rows = []
+    for contender, results in sorted(groups.items(), key=lambda item: order[item[0]]):
+        rows.append(
+            {
+                "contender": contender,
+                "label": "tf_diffmap, one process"
+                if contender == "tf_diffmap"
+                else label(contender),
+                "devices": results[0]["_devices"],
+                "examples_per_second": _spread(r["examples_per_second"] for r in results),
+                "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
+                "replica_ms_per_update": _spread(
+                    r["median_replica_ms_per_update"] for r in results
+                ),
+                "replica_time_source": results[0]["replica_time_source"],
+                "replica_steps": [r.get("replica_steps") for r in results],
+                "mean_staleness": _median(
+                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
+                ),
+                "warmup_seconds": _median(r["warmup_seconds"] for r in results),
+                "runs": len(results),
+            }
+        )
+    return rows
+
+
+def _target(key: str, measured, note: str = "") -> dict[str, Any]:
+    text, op, value = next((d, o, v) for k, d, o, v in TARGETS if k == key)
+    met = None if measured is None else (measured >= value if op == ">=" else measured <= value)
+    return {
+        "key": key,
+        "model": None,
+        "input": "dataset",
+        "description": text,
+        "measured": measured,
+        "comparison": op,
+        "target": value,
+        "unit": "x",
+        "met": met,
+        "note": note,
+    }
+
+
+def _control_targets(control) -> list[dict[str, Any]]:
+    def rate(contender, spe, field):
+        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
+        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
+        return row[field]["median"] if row else None
+
+    return [
+        _target(
+            key,
+            _ratio(
+                rate("tf_diffmap", spe, "updates_per_second"),
+                rate("plain_keras", spe, "steps_per_second"),
+            ),
+            note=f"tf_diffmap at its default steps_per_loop={DEFAULT_STEPS_PER_LOOP}",
+        )
+        for key, spe in (("control_spe16", 16), ("control_spe1", 1))
+    ]
+
+
+def _cluster_targets(cluster, tf_keras) -> list[dict[str, Any]]:
+    def eps(contender):
+        row = _find(cluster, contender=contender)
+        return row["examples_per_second"]["median"] if row else None
+
+    ours = eps("tf_diffmap_cluster")
+    return [
+        _target("cluster_vs_in_process", _ratio(ours, eps("tf_diffmap"))),
+        _target(
+            "cluster_vs_parameter_server",
+            _ratio(ours, eps("parameter_server")),
+            note="" if tf_keras.get("available") else "tf-keras not available (see above)",
+        ),
+    ]
+
+
 def _memory(runs, max_staleness) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for run in runs:
         session = run["result"]
         if session.get("status") != "ok":
             continue
+        if {t["kind"] for t in run["config"]["tasks"]} <= {"control", "cluster"}:
+            continue  # their own sessions, not the timed contenders' memory
         first = (session.get("tasks") or [None])[0]
         after_first = None
         if (
@@ -521,6 +668,13 @@ def build(
     throughput = _throughput(runs, plan.max_staleness)
     straggler = _straggler(runs, plan.max_staleness)
     accuracy = _accuracy(runs, plan.max_staleness)
+    control = _control(runs)
+    cluster = _cluster(runs)
+    targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
+    if "control" in plan.workloads:
+        targets += _control_targets(control)
+    if "cluster" in plan.workloads:
+        targets += _cluster_targets(cluster, tf_keras)
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -539,7 +693,9 @@ def build(
         "memory": _memory(runs, plan.max_staleness),
         "high_staleness": _high_staleness(runs),
         "points": _points(runs),
-        "targets": _targets(plan, throughput, straggler, accuracy, tf_keras),
+        "control": control,
+        "cluster": cluster,
+        "targets": targets,
         "errors": _errors(runs),
         "sessions": runs,
     }
@@ -570,9 +726,13 @@ def _contenders_in(rows) -> list[str]:
     return [c for c in CONTENDERS if c in present]
 
 
-def _targets_table(results) -> list[str]:
+def _targets_table(results, keys=None) -> list[str]:
+    """The targets table: of `keys`, or by default of the timed workloads."""
+    own = CONTROL_TARGETS + CLUSTER_TARGETS
     lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
     for t in results["targets"]:
+        if (t["key"] not in keys) if keys is not None else (t["key"] in own):
+            continue
         unit = t["unit"]
         measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
         target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:g}{unit}"
@@ -856,6 +1016,10 @@ def markdown(results: dict[str, Any]) -> str:
     workloads = plan.get("workloads", ("throughput", "straggler", "accuracy"))
     if set(workloads) & {"throughput", "straggler", "accuracy"}:
         lines += _timed_sections(results)
+    if "control" in workloads:
+        lines += _control_section(results)
+    if "cluster" in workloads:
+        lines += _cluster_section(results)
     if "high_staleness" in workloads:
         lines += _high_staleness_section(results)
     if results.get("figures"):
@@ -869,6 +1033,152 @@ def markdown(results: dict[str, Any]) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _devices_text(results) -> str:
+    machine = results["machine"]
+    if machine.get("device") == "gpu":
+        gpus = machine.get("gpus") or 0
+        return (
+            f"GPUs ({gpus} on this host: one per replica, or logical GPUs of "
+            f"{machine.get('gpu_memory_mb')} MiB sliced from GPU 0 when there are fewer "
+            "GPUs than replicas)"
+        )
+    return f"logical CPU devices of one {machine.get('logical_cpus')}-CPU host"
+
+
+def _control_section(results) -> list[str]:
+    plan = results["plan"]
+    rows = results.get("control") or []
+    spes = list(plan["control_steps_per_execution"])
+    head = ["Contender", "Replicas"] + [f"steps_per_execution={n}" for n in spes]
+    lines = [
+        "## Control path (updates/s; plain Keras: steps/s)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+    ]
+    keys = dict.fromkeys((r["contender"], r["steps_per_loop"]) for r in rows)
+    for contender, k in keys:
+        cells = []
+        for spe in spes:
+            row = _find(rows, contender=contender, steps_per_loop=k, steps_per_execution=spe)
+            cells.append(_cell(row["updates_per_second"]) if row else "–")
+        first = _find(rows, contender=contender, steps_per_loop=k)
+        name = first["label"] + (f", steps_per_loop={k}" if k is not None else "")
+        if k == DEFAULT_STEPS_PER_LOOP:
+            name += " (default)"
+        lines.append(f"| {name} | {first['updates_per_step']} | " + " | ".join(cells) + " |")
+    if not rows:
+        lines.append("| (not run) |")
+    lines += [
+        "",
+        *_targets_table(results, CONTROL_TARGETS),
+        "",
+        f"A `Dense(1)` on 8 inputs (MSE, SGD {plan['control_learning_rate']:g}), global batch "
+        f"{plan['control_batch_size']}, a repeated `tf.data` input with steps_per_epoch="
+        f"{plan['control_steps_per_epoch']}: a step costs almost nothing, so what is measured "
+        f"is the control path. Plain Keras on one device; tf_diffmap on "
+        f"{plan['control_replicas']} {_devices_text(results)}, each Keras step giving "
+        f"{plan['control_replicas']} updates (shards of "
+        f"{plan['control_batch_size'] // plan['control_replicas']} examples). Figures: Keras "
+        "steps per median epoch time, times the updates per step; medians of the runs "
+        "(min–max in brackets).",
+        "",
+    ]
+    return lines
+
+
+def _cluster_section(results) -> list[str]:
+    plan = results["plan"]
+    rows = results.get("cluster") or []
+    lines = [
+        f"## Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief "
+        "on localhost",
+        "",
+        "| Contender | Replicas (devices) | examples/s | replica ms per update | mean staleness |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        devices = row["devices"] or []
+        staleness = row["mean_staleness"]
+        lines.append(
+            f"| {row['label']} | {len(devices)} ({', '.join(_short(d) for d in devices)}) "
+            f"| {_cell(row['examples_per_second'])} | {_cell(row['replica_ms_per_update'], 2)} "
+            f"| {_num(staleness, 2) if staleness is not None else '–'} |"
+        )
+    if not rows:
+        lines.append("| (not run) | | | | |")
+    kind = MODELS[plan["cluster_model"]]["description"]
+    lines += [
+        "",
+        *_targets_table(results, CLUSTER_TARGETS),
+        "",
+        f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}, "
+        f"Adam {plan['learning_rate']:g}, a repeated `tf.data` input with steps_per_epoch "
+        f"({plan['cluster_examples_per_epoch']:,} examples an epoch). tf_diffmap on "
+        f"`LocalCluster(workers={plan['cluster_workers']}, ps={plan['cluster_ps']})` (one "
+        "replica per worker task, the store on the ps task, each worker building its own "
+        "input pipeline, the chief queuing tokens); the same replicas in one process "
+        f"(`Strategy` on {plan['cluster_workers']} logical CPU devices); tf-keras' "
+        "`ParameterServerStrategy` with `model.fit` (its `ClusterCoordinator`) on plain "
+        "`tf.distribute.Server`s of the same shape (`benchmarks.servers`). Every server "
+        "runs on the host's CPUs (GPUs hidden), whatever `--device` says: two worker "
+        "processes of one host would otherwise each take every GPU. Replica ms per update: "
+        "the wall time of the timed `fit` over the updates the replica applied in it (its "
+        "whole cycle: waiting for a shard, the store and gRPC included), median over "
+        "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
+        "time over the steps times the workers (an even spread assumed).",
+        "",
+    ]
+    return lines
+
+
+def _short(device: str) -> str:
+    """`/job:worker/replica:0/task:1/device:CPU:0` as `worker 1 CPU:0`."""
+    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
+    where = f"{parts['job']} {parts.get('task', 0)} " if "job" in parts else ""
+    return where + parts.get("device", device)
+
+
+def control_summary(results: dict[str, Any]) -> list[str]:
+    """Lines the suite prints: the control path's rates and its two targets."""
+    rows = results.get("control") or []
+    lines = []
+    for row in rows:
+        k = row["steps_per_loop"]
+        unit = "updates/s" if row["contender"] != "plain_keras" else "steps/s"
+        lines.append(
+            f"control: {row['label']}"
+            + (f" steps_per_loop={k}" if k is not None else "")
+            + f", steps_per_execution={row['steps_per_execution']}: "
+            f"{_num(row['updates_per_second']['median'], 0)} {unit}"
+        )
+    return lines + _target_lines(results, CONTROL_TARGETS)
+
+
+def cluster_summary(results: dict[str, Any]) -> list[str]:
+    """Lines the suite prints: examples/s, replica time per update, the targets."""
+    lines = [
+        f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
+        f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
+        f"({row['replica_time_source']})"
+        for row in results.get("cluster") or []
+    ]
+    return lines + _target_lines(results, CLUSTER_TARGETS)
+
+
+def _target_lines(results, keys) -> list[str]:
+    lines = []
+    for t in results["targets"]:
+        if t["key"] in keys:
+            measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x"
+            verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
+            lines.append(
+                f"  {t['description']}: {measured} (target {t['comparison']} "
+                f"{t['target']:g}x): {verdict}"
+            )
+    return lines
 
 
 def _high_staleness_section(results) -> list[str]:
@@ -899,7 +1209,7 @@ def _timed_sections(results) -> list[str]:
     plan = results["plan"]
     calibration = results["calibration"]
     return [
-        f"- Replicas are logical CPU devices of one 2-core CPU "
+        f"- Replicas are {_devices_text(results)} "
         "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
         f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
         "and devices for every contender; MirroredStrategy with "

@@ -9,6 +9,11 @@
 3. Runs the plan's sessions (one subprocess each, `benchmarks.worker`) once per
    repeat, in the same order every round, so that contenders alternate.
 4. Writes `results.json`, `results.md` and PNG plots to the output directory.
+
+`--device` picks the replicas' devices: logical CPU devices, or GPUs (one
+per replica, or slices of the first GPU when there are fewer GPUs than
+replicas); `auto` takes the GPUs when the `--python` sees any. The cluster
+workload runs on CPUs whatever the device (see `benchmarks.report`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from benchmarks import plan as plans
 from benchmarks.contenders import CONTENDERS
 from benchmarks.worker import RESULT_PREFIX
 
-__all__ = ["main", "run", "detect_tf_keras", "run_session", "machine_info"]
+__all__ = ["main", "run", "detect_tf_keras", "run_session", "machine_info", "resolve_device"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
@@ -121,6 +126,39 @@ def detect_tf_keras(python: str) -> dict[str, Any]:
     return out
 
 
+_COUNT_GPUS = (
+    "import os; os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3'); import tensorflow as tf; "
+    "print(len(tf.config.list_physical_devices('GPU')))"
+)
+
+
+def resolve_device(requested: str, python: str) -> tuple[str, int]:
+    """`--device` as the sessions get it: `("cpu" or "gpu", GPUs seen by python)`.
+
+    Raises:
+        SystemExit: `gpu` where `python` sees no GPU, or `python` cannot tell.
+    """
+    if requested == "cpu":
+        return "cpu", 0
+    try:
+        proc = subprocess.run(
+            [python, "-c", _COUNT_GPUS], capture_output=True, text=True, timeout=120, check=False
+        )
+        gpus = int(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as error:
+        if requested == "auto":
+            _log(f"--device auto: could not count GPUs with {python} ({error}); using the CPU")
+            return "cpu", 0
+        raise SystemExit(f"--device gpu: could not count GPUs with {python}: {error}") from error
+    if gpus == 0 and requested == "gpu":
+        raise SystemExit(
+            f"--device gpu: {python} sees no GPU (TensorFlow lists no physical GPU device "
+            "on this host, or this TensorFlow build has no GPU support); run with "
+            "--device cpu or --device auto, or pass a GPU build of TensorFlow as --python."
+        )
+    return ("gpu" if gpus else "cpu"), gpus
+
+
 def run_session(
     python: str, config: dict, timeout: float, inter_op_threads: int | None = None
 ) -> dict[str, Any]:
@@ -180,6 +218,8 @@ def _calibrate(
     timeout: float,
     mirrored_reduce: str,
     inter_op_threads: int | None,
+    plan_device: str = "cpu",
+    gpu_memory_mb: int | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Per device count: the no-straggler step time and the delay of each slowdown."""
     counts = set(plan.straggler_replicas) if "straggler" in plan.workloads else set()
@@ -207,6 +247,8 @@ def _calibrate(
                     "replicas": replicas,
                     "seed": plan.seed,
                     "mirrored_reduce": mirrored_reduce,
+                    "device": plan_device,
+                    "gpu_memory_mb": gpu_memory_mb,
                     "tasks": [task],
                 },
                 timeout,
@@ -259,14 +301,32 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     machine = machine_info()
+    device, gpus = getattr(args, "resolved_device", ("cpu", 0))
+    machine.update(device=device, gpus=gpus, gpu_memory_mb=args.gpu_memory_mb)
     tf_keras = detect_tf_keras(args.tf_keras_python)
     if "central_storage" in plan.contenders and not tf_keras["available"]:
         _log(f"CentralStorageStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
         plan = dataclasses.replace(
             plan, contenders=tuple(c for c in plan.contenders if c != "central_storage")
         )
+    if (
+        "cluster" in plan.workloads
+        and "parameter_server" in plan.cluster_contenders
+        and not tf_keras["available"]
+    ):
+        _log(f"ParameterServerStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
+        plan = dataclasses.replace(
+            plan,
+            cluster_contenders=tuple(c for c in plan.cluster_contenders if c != "parameter_server"),
+        )
     calibration = _calibrate(
-        plan, args.python, args.session_timeout, args.mirrored_reduce, args.inter_op_threads
+        plan,
+        args.python,
+        args.session_timeout,
+        args.mirrored_reduce,
+        args.inter_op_threads,
+        device,
+        args.gpu_memory_mb,
     )
     delays = {n: c["delays"] for n, c in calibration.items() if "delays" in c}
     round_sessions = plans.sessions(plan, delays)
@@ -274,7 +334,12 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
     total = plan.repeats * len(round_sessions)
 
     def one(round_index: int, config: dict) -> dict[str, Any]:
-        config = {**config, "mirrored_reduce": args.mirrored_reduce}
+        config = {
+            "device": device,
+            "gpu_memory_mb": args.gpu_memory_mb,
+            **config,
+            "mirrored_reduce": args.mirrored_reduce,
+        }
         legacy = CONTENDERS[config["contender"]].legacy
         result = run_session(
             args.tf_keras_python if legacy else args.python,
@@ -330,7 +395,9 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
         else:
             (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
             (out_dir / "results.md").write_text(report.markdown(results))
-    for line in report.points_summary(results):
+    for line in report.points_summary(results) + report.control_summary(results):
+        _log(line)
+    for line in report.cluster_summary(results):
         _log(line)
     _log(f"wrote {out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s")
     return results
@@ -340,7 +407,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Benchmark tf_diffmap against plain Keras, MirroredStrategy and "
-        "tf-keras' CentralStorageStrategy on logical CPU devices.",
+        "tf-keras' CentralStorageStrategy on logical CPU devices (or GPUs), and against "
+        "tf-keras' ParameterServerStrategy on a localhost cluster.",
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a run of a few minutes")
@@ -409,7 +477,22 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated workloads to run, of: "
         + ", ".join(plans.WORKLOADS)
-        + " (default: the preset's, which leave out high_staleness)",
+        + " (default: the preset's, which leave out high_staleness; the smoke preset "
+        "also leaves out control and cluster)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="the replicas' devices: logical CPU devices, or GPUs (one per replica, or "
+        "slices of the first GPU when there are fewer GPUs than replicas); auto "
+        "(default): the GPUs when --python sees any, else the CPU",
+    )
+    parser.add_argument(
+        "--gpu-memory-mb",
+        type=int,
+        default=2048,
+        help="memory of each logical GPU when a GPU is split (default 2048)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
@@ -428,7 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [c for c in chosen if c not in CONTENDERS]
         if unknown:
             raise SystemExit(f"Unknown contenders {unknown}; choose from {list(CONTENDERS)}.")
-        plan = dataclasses.replace(plan, contenders=chosen)
+        plan = dataclasses.replace(
+            plan,
+            contenders=chosen,
+            control_contenders=tuple(c for c in plan.control_contenders if c in chosen),
+            cluster_contenders=tuple(c for c in plan.cluster_contenders if c in chosen),
+        )
     if args.step_seconds is not None:
         plan = dataclasses.replace(plan, step_seconds=args.step_seconds)
     if args.only:
@@ -437,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"Unknown workloads {unknown}; choose from {list(plans.WORKLOADS)}.")
         plan = dataclasses.replace(plan, workloads=chosen)
+    args.resolved_device = resolve_device(args.device, args.python)
     command = "python -m benchmarks " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )

@@ -22,6 +22,11 @@ Tasks:
   clock stops while the callback measures) until the validation accuracy at
   an epoch's end first reaches each target, within a budget of epochs. The
   accuracy is computed in NumPy from the weights, the same way for everyone.
+- `control`: the control path's ceiling: a `Dense(1)` on 8 inputs, batch 16,
+  compiled with the task's `steps_per_execution`; Keras steps per second and
+  (under tf_diffmap) updates per second, from the median epoch.
+- `cluster`: examples per second of the wide MLP on a localhost cluster (or
+  the same replicas in one process), and each replica's time per update.
 - `points` (tf_diffmap only): what `StalenessTensorBoard(update_freq="batch")`
   costs on digits: the CPU time of a point, and `fit` without the callback,
   with every point, and with the default overhead budget.
@@ -390,12 +395,82 @@ def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
     }
 
 
+def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Steps (and updates) per second of a model too small to cost anything.
+
+    What is left is the control path: Keras' loop, the strategy's dispatch and
+    the replicas' loops. Plain Keras applies one update per step; tf_diffmap
+    one per replica per step (a shard of `batch_size / replicas` examples).
+    """
+    spe, batch_size = task["steps_per_execution"], task["batch_size"]
+    examples = task["steps_per_epoch"] * batch_size
+    x, y = workloads.control_data(examples, seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_control_model(rt.keras)
+        model.compile(
+            optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
+            loss="mse",
+            steps_per_execution=spe,
+        )
+    warmup = _warm_up(rt, model, x, y, batch_size, steps=2 * spe)
+    out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
+    steps_per_second = task["steps_per_epoch"] / out["median_epoch_seconds"]
+    updates_per_step = len(rt.devices) if rt.asynchronous else 1
+    out.update(
+        warmup_seconds=warmup,
+        steps_per_second=steps_per_second,
+        updates_per_step=updates_per_step,
+        updates_per_second=steps_per_second * updates_per_step,
+        steps_per_loop=getattr(rt.strategy, "steps_per_loop", None),
+    )
+    if out.get("replica_steps") is not None:
+        # Every epoch of the window and the first one: what the replicas applied.
+        epochs = out["epochs"] + 1
+        out["updates_counted"] = sum(out["replica_steps"])
+        out["updates_expected"] = epochs * task["steps_per_epoch"] * updates_per_step
+    return out
+
+
+def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Examples per second of the wide MLP, and each replica's time per update.
+
+    The time per update of a replica is the wall time of the timed `fit` (all
+    its epochs) over the updates that replica applied in it: its whole cycle,
+    waits included (for a shard, for the store, for gRPC round trips). Under
+    ParameterServerStrategy, which reports no per-worker count, it is the
+    `fit` time over the steps, times the workers (an even spread assumed).
+    """
+    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_model(rt.keras, task["model"])
+        _compile(rt, model, rt.optimizer(task["learning_rate"]))
+    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    out = _timed_fit(rt, model, x, y, task)
+    fit_seconds = out["first_epoch_seconds"] + sum(out["epoch_seconds"])
+    steps = (out["epochs"] + 1) * _steps(x, task["batch_size"])
+    if out.get("replica_steps"):
+        per_replica = [fit_seconds / n for n in out["replica_steps"] if n]
+        out["replica_ms_per_update"] = [1000 * s for s in per_replica]
+        out["median_replica_ms_per_update"] = 1000 * statistics.median(per_replica)
+        out["replica_time_source"] = "fit seconds / the replica's updates"
+    else:
+        workers = len(rt.devices)
+        out["median_replica_ms_per_update"] = 1000 * fit_seconds * workers / steps
+        out["replica_time_source"] = f"fit seconds x {workers} workers / steps (even spread)"
+    out.update(warmup_seconds=warmup, devices=list(rt.devices), fit_seconds=fit_seconds)
+    return out
+
+
 TASKS = {
     "throughput": run_throughput,
     "straggler": run_straggler,
     "accuracy": run_accuracy,
     "high_staleness": run_high_staleness,
     "points": run_points,
+    "control": run_control,
+    "cluster": run_cluster,
 }
 
 
@@ -417,6 +492,10 @@ def run_session(config: dict) -> dict[str, Any]:
             max_staleness=config.get("max_staleness"),
             mirrored_reduce=config.get("mirrored_reduce", "one_device"),
             replicas_per_device=config.get("replicas_per_device", 1),
+            steps_per_loop=config.get("steps_per_loop"),
+            device=config.get("device", "cpu"),
+            gpu_memory_mb=config.get("gpu_memory_mb"),
+            cluster=config.get("cluster"),
         )
     except Exception as error:  # noqa: BLE001 - reported to the parent
         session.update(
@@ -432,21 +511,24 @@ def run_session(config: dict) -> dict[str, Any]:
         startup_seconds=time.perf_counter() - start,
     )
     tasks = []
-    for task in config.get("tasks", []):
-        task_start = time.perf_counter()
-        try:
-            result = TASKS[task["kind"]](rt, task, config.get("seed", 0))
-            result["status"] = "ok"
-        except Exception as error:  # noqa: BLE001 - reported, the session goes on
-            result = {
-                "status": "error",
-                "error": f"{type(error).__name__}: {error}"[:2000],
-                "traceback": traceback.format_exc(limit=12)[-4000:],
-            }
-        result["seconds"] = time.perf_counter() - task_start
-        result["peak_rss_mb"] = peak_rss_mb()
-        tasks.append({"task": task, "result": result})
-        gc.collect()
+    try:
+        for task in config.get("tasks", []):
+            task_start = time.perf_counter()
+            try:
+                result = TASKS[task["kind"]](rt, task, config.get("seed", 0))
+                result["status"] = "ok"
+            except Exception as error:  # noqa: BLE001 - reported, the session goes on
+                result = {
+                    "status": "error",
+                    "error": f"{type(error).__name__}: {error}"[:2000],
+                    "traceback": traceback.format_exc(limit=12)[-4000:],
+                }
+            result["seconds"] = time.perf_counter() - task_start
+            result["peak_rss_mb"] = peak_rss_mb()
+            tasks.append({"task": task, "result": result})
+            gc.collect()
+    finally:
+        rt.close()
     session.update(
         status="ok", tasks=tasks, peak_rss_mb=peak_rss_mb(), seconds=time.perf_counter() - start
     )

@@ -24,6 +24,8 @@ __all__ = [
     "OPTIMIZERS",
     "HIGH_STALENESS_MODELS",
     "build_high_staleness_model",
+    "control_data",
+    "build_control_model",
 ]
 
 # Input shape and classes of each model. "mlp" is also the digits model: the
@@ -36,7 +38,12 @@ MODELS = {
         "classes": 10,
         "description": "CNN conv16-pool-conv32-pool-dense64-10 on 28x28x1",
     },
+    # The cluster workload's model, digits-shaped.
+    "mlp_wide": {"input_shape": (64,), "classes": 10, "description": "MLP 64-256-256-10 (ReLU)"},
 }
+
+# The control workload's model: so small that a step is almost all control path.
+CONTROL_MODEL = {"features": 8, "description": "Dense(1) on 8 inputs, MSE, SGD"}
 
 
 # The optimizers of the high-staleness table: a Keras class and its arguments.
@@ -188,6 +195,11 @@ def build_model(keras: ModuleType, model: str, delay_layer=None):
             layers.Dense(256, activation="relu"),
             layers.Dense(128, activation="relu"),
         ]
+    elif model == "mlp_wide":
+        body = [
+            layers.Dense(256, activation="relu"),
+            layers.Dense(256, activation="relu"),
+        ]
     elif model == "cnn":
         body = [
             layers.Conv2D(16, 3, activation="relu"),
@@ -200,6 +212,24 @@ def build_model(keras: ModuleType, model: str, delay_layer=None):
     else:
         raise ValueError(f"Unknown model {model!r}; expected one of {sorted(MODELS)}.")
     return keras.Sequential(head + body + [layers.Dense(spec["classes"], activation="softmax")])
+
+
+def control_data(examples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The control workload's data: 8 features, a noisy linear target.
+
+    Returns:
+        `(x, y)`: float32 arrays of shapes `(examples, 8)` and `(examples, 1)`.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, CONTROL_MODEL["features"])).astype("float32")
+    w = rng.normal(size=(CONTROL_MODEL["features"], 1))
+    y = (x @ w + 0.1 * rng.normal(size=(examples, 1))).astype("float32")
+    return x, y
+
+
+def build_control_model(keras: ModuleType):
+    """A fresh, uncompiled `Dense(1)` on 8 inputs (the control workload's model)."""
+    return keras.Sequential([keras.Input((CONTROL_MODEL["features"],)), keras.layers.Dense(1)])
 
 
 def replica_delay(keras: ModuleType, seconds: float, legacy: bool = False, replicas=(0,)):

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark suite: a tiny configuration runs and writes valid JSON.
+"""Smoke tests of the benchmark suite: tiny configurations run and write valid JSON.
 
 No timing is asserted: the smoke preset's numbers mean nothing. It runs two
 sessions (plain Keras on one device; tf_diffmap on two with a straggler) in
@@ -110,3 +110,80 @@ def test_smoke_run_writes_results(tmp_path):
         assert results["figures"]
         for name in results["figures"]:
             assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_smoke_control_and_cluster(tmp_path):
+    """The control and cluster workloads run and report their targets.
+
+    The cluster workload starts localhost servers (LocalCluster for
+    tf_diffmap); ParameterServerStrategy needs tf-keras, which this
+    interpreter may not have, and is then left out with the reason.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--only",
+        "control,cluster",
+        "--device",
+        "cpu",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _strict_json((tmp_path / "results.json").read_text())
+    assert results["errors"] == [], results["errors"]
+    assert results["machine"]["device"] == "cpu"
+
+    control = {
+        (r["contender"], r["steps_per_loop"], r["steps_per_execution"]) for r in results["control"]
+    }
+    assert control == {
+        ("plain_keras", None, 16),
+        ("plain_keras", None, 1),
+        ("tf_diffmap", 32, 16),
+        ("tf_diffmap", 32, 1),
+    }
+    for row in results["control"]:
+        assert row["updates_per_second"]["median"] > 0
+        if row["contender"] == "tf_diffmap":
+            assert row["updates_per_step"] == 4
+            assert row["updates_counted"] == row["updates_expected"]
+
+    cluster = {r["contender"]: r for r in results["cluster"]}
+    expected = {"tf_diffmap_cluster", "tf_diffmap"}
+    if results["tf_keras"]["available"]:
+        expected.add("parameter_server")
+    assert set(cluster) == expected
+    assert all(d.startswith("/job:worker/") for d in cluster["tf_diffmap_cluster"]["devices"])
+    for row in cluster.values():
+        assert row["examples_per_second"]["median"] > 0
+        assert row["replica_ms_per_update"]["median"] > 0
+
+    targets = {t["key"]: t for t in results["targets"]}
+    for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
+        assert targets[key]["measured"] > 0 and targets[key]["met"] in (True, False)
+    assert "cluster_vs_parameter_server" in targets
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Control path" in markdown and "## Cluster" in markdown
+    assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
+
+
+@pytest.mark.slow
+def test_device_gpu_on_a_host_without_one_says_so():
+    from benchmarks.suite import resolve_device
+
+    try:
+        import tensorflow as tf
+    except ImportError:
+        pytest.skip("no TensorFlow")
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("this host has a GPU")
+    assert resolve_device("auto", sys.executable) == ("cpu", 0)
+    assert resolve_device("cpu", sys.executable) == ("cpu", 0)
+    with pytest.raises(SystemExit, match="sees no GPU"):
+        resolve_device("gpu", sys.executable)
