@@ -35,13 +35,24 @@ class ShardChannel:
             unknown).
         capacity: shards that may wait; a full queue holds the putting
             graph back (without holding a thread).
-        device: where the queue and its counter live (the host CPU).
+        device: where the queue lives (the host CPU of Keras' graph).
         name: a prefix for the queue's and the counter's names.
+        counter_device: where the in-flight counter lives: beside what the
+            replica steps update anyway (the store's counters), so that
+            counting a shard done is no extra hop for a remote replica.
     """
 
-    def __init__(self, specs: Sequence[tf.TensorSpec], capacity: int, device: str, name: str):
+    def __init__(
+        self,
+        specs: Sequence[tf.TensorSpec],
+        capacity: int,
+        device: str,
+        name: str,
+        counter_device: str | None = None,
+    ):
         self.specs = list(specs)
         self.device = device
+        self.counter_device = counter_device or device
         with tf.init_scope(), tf.device(device):
             self.queue = tf.queue.FIFOQueue(
                 capacity,
@@ -49,6 +60,7 @@ class ShardChannel:
                 shapes=None,
                 name=f"{name}_shards",
             )
+        with tf.init_scope(), tf.device(self.counter_device):
             self.progress = tf.Variable(
                 tf.zeros([2], tf.int64), trainable=False, name=f"{name}_progress"
             )
@@ -69,7 +81,7 @@ class ShardChannel:
         with tf.device(self.device):
             stop = tf.constant(False)
             queued = [self.queue.enqueue([stop, *shard]) for shard in shards]
-            with tf.control_dependencies(queued):
+            with tf.control_dependencies(queued), tf.device(self.counter_device):
                 return self.progress.scatter_nd_add(
                     [[_PUT]], [tf.constant(len(shards), tf.int64)]
                 ).op
@@ -86,7 +98,7 @@ class ShardChannel:
 
     def done(self) -> tf.Operation:
         """Counts one taken shard as applied or dropped."""
-        with tf.device(self.device):
+        with tf.device(self.counter_device):
             return self.progress.scatter_nd_add([[_DONE]], [tf.constant(1, tf.int64)])
 
     # -- from Python ----------------------------------------------------------
@@ -122,18 +134,24 @@ class ShardChannel:
 
 def loop_function(
     channel: ShardChannel,
-    apply_shard: Callable[[tf.Tensor, list[tf.Tensor]], tf.Operation],
-    skip: Callable[[list[tf.Tensor]], tf.Tensor],
+    apply_shard: Callable[[tf.Tensor, list[tf.Tensor], tf.Tensor], tf.Tensor],
+    skip: Callable[[list[tf.Tensor], tf.Tensor], tf.Tensor],
+    start: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]],
     fetch: Callable[..., list[tf.Tensor]] | None = None,
 ) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
     """A replica loop: take and apply up to `max_steps` shards, or a STOP.
 
     Args:
         channel: where the shards (or tokens) come from.
-        apply_shard: `(replica_id, shard) -> op`, one replica step with its
-            bookkeeping, in the loop's body.
-        skip: `item -> bool tensor`, true for an item to drop unapplied
-            (an empty shard, or anything after a replica failed).
+        apply_shard: `(replica_id, shard, claims) -> claims`, one replica
+            step with its bookkeeping, given the claims the replica had made
+            before it and returning those after it.
+        skip: `(item, failed) -> bool tensor`, true for an item to drop
+            unapplied (an empty shard, or anything once a replica failed).
+        start: `replica_id -> (claims, failed)`, read once per call: the
+            replica's claims so far (only its own loop adds to them while it
+            runs) and the strategy's failure flag (seen again at the next
+            call, at most K shards later).
         fetch: where items are tokens, `(token, *sources) -> shard`: the
             shard a token stands for, read from the loop's own sources (its
             worker's input iterator).
@@ -144,34 +162,44 @@ def loop_function(
     """
 
     def loop(replica_id, max_steps, *sources):
-        def cond(taken, stopped):
+        claims_before, failed = start(replica_id)
+
+        def cond(taken, stopped, claims):
             return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
 
-        def body(taken, stopped):
+        def body(taken, stopped, claims):
             stop, item = channel.take()
 
             def apply():
                 shard = fetch(item, *sources) if fetch is not None else item
-                with tf.control_dependencies([apply_shard(replica_id, shard)]):
+                after = apply_shard(replica_id, shard, claims)
+                with tf.control_dependencies([after]):
                     with tf.control_dependencies([channel.done()]):
-                        return tf.constant(True)
+                        return tf.identity(after)
 
             def drop():
                 with tf.control_dependencies([channel.done()]):
-                    return tf.constant(False)
+                    return tf.identity(claims)
 
             def take_item():
-                return tf.cond(skip(item), drop, apply)
+                return tf.cond(skip(item, failed), drop, apply)
 
             def end():
-                return tf.constant(False)
+                return tf.identity(claims)
 
-            finished = tf.cond(stop, end, take_item)
-            with tf.control_dependencies([finished]):
-                return taken + tf.cast(tf.logical_not(stop), tf.int32), tf.identity(stop)
+            claims_after = tf.cond(stop, end, take_item)
+            return (
+                taken + tf.cast(tf.logical_not(stop), tf.int32),
+                tf.identity(stop),
+                claims_after,
+            )
 
-        return tf.while_loop(
-            cond, body, [tf.constant(0, tf.int32), tf.constant(False)], parallel_iterations=1
+        taken, stopped, _ = tf.while_loop(
+            cond,
+            body,
+            [tf.constant(0, tf.int32), tf.constant(False), claims_before],
+            parallel_iterations=1,
         )
+        return taken, stopped
 
     return loop

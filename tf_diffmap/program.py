@@ -211,7 +211,9 @@ class Program:
         host = extended.client_host
         name = f"tf_diffmap_{len(extended._programs)}"
         self.worker_input = extended.worker_input_for(self.specs)
-        self.channel = ShardChannel(self.specs, extended.queue_size, host, name)
+        self.channel = ShardChannel(
+            self.specs, extended.queue_size, host, name, counter_device=extended._store.host
+        )
         _, leaves, positions = self._output_specs()
         with tf.init_scope(), tf.device(host):
             self.fresh = tf.Variable(False, trainable=False, name=f"{name}_fresh")
@@ -239,10 +241,10 @@ class Program:
         self.loop_concretes = {}
         for device in dict.fromkeys(extended.replica_devices):
 
-            def apply_shard(replica_id, shard, device=device):
-                return self._run_replica_step(replica_id, shard, device)[1]
+            def apply_shard(replica_id, shard, claims, device=device):
+                return self._run_replica_step(replica_id, shard, device, claims)[2]
 
-            loop = loop_function(self.channel, apply_shard, self._skip, fetch)
+            loop = loop_function(self.channel, apply_shard, self._skip, self._loop_start, fetch)
             with tf.device(device):
                 concrete = tf.function(loop, autograph=False).get_concrete_function(
                     tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32), *sources
@@ -260,31 +262,46 @@ class Program:
 
     # -- one replica step with its bookkeeping (in a graph) --------------------
 
-    def _run_replica_step(self, replica_id, shard, device: str | None = None):
-        """Calls the replica's step; returns its outputs, then counts it done.
+    def _run_replica_step(self, replica_id, shard, device: str | None = None, before=None):
+        """Calls the replica's step, then counts it done.
 
         A step counts itself completed once it has finished writing (the
-        claims it made, read after its updates), and leaves its outputs where
-        Keras' graph reads the latest ones.
+        claims it made: its replica's claims after it, read after its
+        updates, less those before it), and leaves its outputs where Keras'
+        graph reads the latest ones.
+
+        Returns:
+            The step's outputs, the bookkeeping op, and the replica's claims
+            after the step.
         """
         extended = self.extended
         store = extended._store
-        before = store.claims_of(replica_id)
+        if before is None:
+            before = store.claims_of(replica_id)
         with tf.control_dependencies([before]):
             if device is not None:
                 outputs, claims = self.concretes[device](replica_id, *shard)
             else:
                 outputs, claims = self._call_step(replica_id, shard)
         flat = self._flat_outputs(outputs)
-        with tf.control_dependencies([claims, *flat]), tf.device(extended.client_host):
-            done = [
-                store.completed.assign_add(claims - before, read_value=False),
-                extended.replica_steps_variable.scatter_nd_add(
-                    tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
-                ),
-                *(v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)),
-            ]
-        return outputs, tf.group(done)
+        with tf.control_dependencies([claims, *flat]):
+            with tf.device(store.host):
+                counted = [
+                    store.completed.assign_add(claims - before, read_value=False),
+                    extended.replica_steps_variable.scatter_nd_add(
+                        tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
+                    ),
+                ]
+            with tf.device(extended.client_host):
+                latest = [
+                    v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)
+                ]
+        done = tf.group([*counted, *latest])
+        with tf.control_dependencies([done]):
+            return outputs, done, tf.identity(claims)
+
+    def _loop_start(self, replica_id):
+        return self.extended._store.claims_of(replica_id), self.extended.failed.read_value()
 
     def _call_step(self, replica_id, shard):
         devices = list(dict.fromkeys(self.extended.replica_devices))
@@ -296,8 +313,7 @@ class Program:
         ]
         return tf.switch_case(tf.gather(device_of, replica_id), branches)
 
-    def _skip(self, item) -> tf.Tensor:
-        failed = self.extended.failed.read_value()
+    def _skip(self, item, failed) -> tf.Tensor:
         if self.worker_input is not None:
             return failed  # A token stands for a shard of the worker's input.
         examples = batch_size(item)
@@ -355,7 +371,7 @@ class Program:
         steps = extended.replica_steps_variable.read_value()
         pick = tf.argmin if extended.max_staleness is not None else tf.argmax
         replica_id = tf.cast(pick(steps), tf.int32)
-        outputs, done = self._run_replica_step(replica_id, shards[0])
+        outputs, done, _ = self._run_replica_step(replica_id, shards[0])
         with tf.control_dependencies([done]):
             marked = self.fresh.assign(True, read_value=False)
         with tf.control_dependencies([marked]):
