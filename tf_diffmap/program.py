@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal
 from tf_diffmap.loops import ShardChannel, loop_function
+from tf_diffmap.outputs import mark_one_replica
 from tf_diffmap.step import StepState, tracing_step
 from tf_diffmap.workers import ReplicaLoops
 
@@ -225,7 +226,9 @@ class Program:
                     tf.Variable(
                         tf.zeros(shape, spec.dtype),
                         trainable=False,
-                        shape=spec.shape if spec.shape.is_fully_defined() else None,
+                        # A dimension the trace left open (a shard's
+                        # examples) stays open: shards differ in size.
+                        shape=spec.shape if known else tf.TensorShape(None),
                         name=f"{name}_output_{i}",
                     )
                 )
@@ -356,7 +359,7 @@ class Program:
             )
             with tf.control_dependencies([started]):
                 flat = self._dispatch_in_graph(shards)
-            return self._pack_outputs(flat[:-1])
+            return self._one_replica_outputs(flat[:-1])
         flat = tf.cond(
             self.fresh.read_value(),
             lambda: self._dispatch_in_graph(shards),
@@ -364,7 +367,11 @@ class Program:
         )
         # Both ways end with a flag, so that a step without tensor outputs
         # still runs them.
-        return self._pack_outputs(flat[:-1])
+        return self._one_replica_outputs(flat[:-1])
+
+    def _one_replica_outputs(self, flat):
+        """One replica step's outputs, marked as such for `strategy.reduce`."""
+        return mark_one_replica(self._pack_outputs(flat), len(self.extended.replica_devices))
 
     def _first_step_in_graph(self, shards):
         extended = self.extended

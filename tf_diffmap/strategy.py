@@ -35,7 +35,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, inputs
+from tf_diffmap import _tf_internal, inputs, outputs
 from tf_diffmap.devices import (
     default_replica_devices,
     inter_op_threads,
@@ -374,11 +374,12 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         return self._store.host
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        # Values are never per-replica here: every step's result is whole.
-        return value
+        # Values are never per-replica here: a value is whole, or stands for
+        # one replica step of N (see `tf_diffmap.outputs`).
+        return outputs.reduce_replicas(reduce_op, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        return [value for value, _ in value_destination_pairs]
+        return [outputs.reduce_replicas(reduce_op, value) for value, _ in value_destination_pairs]
 
     def _local_results(self, val):
         return (val,)
@@ -608,6 +609,34 @@ class Strategy(_tf_internal.StrategyBase):
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
         self.extended._store.reset_statistics()
+
+    def reduce(
+        self, reduce_op: tf.distribute.ReduceOp | str, value: Any, axis: int | None
+    ) -> tf.Tensor:
+        """Reduces what `strategy.run` returned over the replicas (and `axis`).
+
+        An asynchronous training step's `strategy.run` returns the outputs of
+        one replica step, which stand for each of the N replicas: SUM
+        multiplies them by N, MEAN leaves them; with an axis, the reduction
+        first runs over that axis of the one step's value. A whole batch's
+        outputs (a step that applies no update) are left as they are. See
+        `tf_diffmap.outputs` and the README's "Custom training loops".
+
+        Args:
+            reduce_op: `tf.distribute.ReduceOp.SUM` or `MEAN`, or its name.
+            value: what `strategy.run` returned, in the same `tf.function`.
+            axis: an axis of `value` to reduce as well, or None.
+
+        Returns:
+            A tensor.
+        """
+        if axis is not None:
+            # TensorFlow's own reduce over an axis calls `run` again, which
+            # here would be a synchronous step that drains the replicas.
+            if isinstance(reduce_op, str):
+                reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+            value = outputs.reduce_over_axis(reduce_op, value, axis)
+        return super().reduce(reduce_op, value, axis=None)
 
     def drain(self) -> None:
         """Waits until every dispatched shard has been applied.
