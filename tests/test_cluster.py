@@ -95,17 +95,22 @@ CLIENT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
-def test_training_across_worker_and_ps_processes(tmp_path):
+def run_chief(script: str, tmp_path) -> dict:
+    """Runs a chief script in a process of its own; returns its last line's JSON."""
     result = subprocess.run(
-        [sys.executable, "-c", CLIENT],
+        [sys.executable, "-c", script],
         env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=200,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_training_across_worker_and_ps_processes(tmp_path):
+    report = run_chief(CLIENT, tmp_path)
     # Two worker tasks of two logical CPUs each: four replicas.
     assert report["replicas"] == [
         f"/job:worker/replica:0/task:{task}/device:CPU:{cpu}" for task in (0, 1) for cpu in (0, 1)
@@ -417,15 +422,7 @@ FUNCTION_CLIENT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_dataset_functions_run_on_each_worker_and_stateful_datasets_are_refused(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", FUNCTION_CLIENT],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_chief(FUNCTION_CLIENT, tmp_path)
     assert "cannot be rebuilt on another task" in report["stateful_error"]
     assert "distribute_datasets_from_function" in report["stateful_error"]
     # Two pipelines, one per worker task, each making per-replica batches
