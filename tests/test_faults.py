@@ -94,3 +94,86 @@ def test_shutdown_stops_threads_at_once():
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     strategy.shutdown()
     assert strategy.worker_threads() == []
+
+
+# -- classifying the runtime's errors (no cluster needed) ----------------------
+
+from tf_diffmap import faults  # noqa: E402
+
+WORKER_LOST = (
+    "Graph execution error:\n\nDetected at node while/body/_1 defined at (most recent call last):\n"
+    "<stack traces unavailable>\n2 root error(s) found.\n"
+    "  (0) UNAVAILABLE:  recvmsg:Connection reset by peer\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:1/device:CPU:0"
+    " while calling /tensorflow.eager.EagerService/RunComponentFunction:\n"
+    "Additional GRPC error information from remote target /job:ps/replica:0/task:0 while calling "
+    "/tensorflow.WorkerService/RecvTensor:\n0 successful operations."
+)
+
+
+def test_an_error_naming_a_worker_and_the_ps_that_relayed_it_is_the_worker():
+    error = tf.errors.UnavailableError(None, None, WORKER_LOST)
+    assert faults.named_tasks(error) == [
+        "/job:worker/replica:0/task:1",
+        "/job:ps/replica:0/task:0",
+    ]
+    down = {"/job:worker/replica:0/task:1"}
+    fault = faults.classify(error, answers=lambda task: task not in down)
+    assert fault == faults.Fault("worker", "/job:worker/replica:0/task:1")
+    # The ps is lost only if it does not answer itself.
+    down.add("/job:ps/replica:0/task:0")
+    assert faults.classify(error, answers=lambda task: task not in down).job == "ps"
+
+
+W0 = "/job:worker/replica:0/task:0"
+
+
+@pytest.mark.parametrize(
+    "error, lost",
+    [
+        (
+            tf.errors.UnavailableError(None, None, "Socket closed /job:worker/replica:0/task:0"),
+            True,
+        ),
+        (
+            tf.errors.CancelledError(None, None, "connection reset /job:worker/replica:0/task:0"),
+            True,
+        ),
+        (tf.errors.CancelledError(None, None, "Cancelled by the user"), False),
+        (
+            tf.errors.InvalidArgumentError(
+                None, None, "bad input row /job:worker/replica:0/task:0"
+            ),
+            False,
+        ),
+        (ValueError("/job:worker/replica:0/task:0 unavailable"), False),
+    ],
+)
+def test_only_the_runtime_s_unreachable_errors_are_faults(error, lost):
+    assert (faults.classify(error, answers=lambda task: False) is not None) == lost
+
+
+def test_a_replica_error_is_restated_short_with_its_type_task_and_cause():
+    original = tf.errors.InvalidArgumentError(
+        None,
+        None,
+        "Graph execution error:\n\nDetected at node x\n  (0) INVALID_ARGUMENT:  bad input row : "
+        "Tensor had NaN values\nAdditional GRPC error information from remote target "
+        "/job:worker/replica:0/task:1 while calling RunComponentFunction",
+    )
+    raised = faults.restated(original, 2, "/job:worker/replica:0/task:1/device:CPU:0")
+    assert type(raised) is tf.errors.InvalidArgumentError
+    assert str(raised) == (
+        "bad input row : Tensor had NaN values (replica 2 on /job:worker/replica:0/task:1)"
+    )
+    assert raised.__cause__ is original
+    # On one host, an error is raised exactly as the replica raised it.
+    local = tf.errors.InvalidArgumentError(None, None, "bad input row")
+    assert faults.restated(local, 0, "/job:localhost/replica:0/task:0/device:CPU:0") is local
+
+
+def test_lost_ps_error_names_the_task_and_what_to_do():
+    cause = tf.errors.UnavailableError(None, None, "Socket closed")
+    error = faults.lost_ps_error(faults.Fault("ps", "/job:ps/replica:0/task:1"), cause)
+    assert isinstance(error, tf.errors.UnavailableError) and error.__cause__ is cause
+    assert "/job:ps/replica:0/task:1" in str(error) and "BackupAndRestore" in str(error)

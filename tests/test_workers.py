@@ -60,9 +60,20 @@ class Runner:
         for _ in range(count):
             self.items.put(STOP)
 
-    def count_failed(self):
+    def release(self, replica_id, requeue):
         with self.lock:
             self.done += 1
+        return True
+
+    def drop_loop(self, replica_id, max_steps):
+        taken = 0
+        while taken < max_steps:
+            if self.items.get() is STOP:
+                return taken, True
+            with self.lock:
+                self.done += 1
+            taken += 1
+        return taken, False
 
     def replica_steps(self):
         with self.lock:
@@ -73,9 +84,10 @@ def make(replicas=3, **kwargs):
     runner = Runner(replicas)
     errors = []
 
-    def on_error(error):
+    def on_error(replica_id, error):
         errors.append(error)
         runner.failed = True
+        return ReplicaState.FAILED
 
     return runner, errors, ReplicaLoops(runner, replicas, on_error, name="loops-test", **kwargs)
 
@@ -177,3 +189,40 @@ def test_stop_returns_when_threads_are_gone():
     runner, errors, loops = make(2)
     loops.stop()  # nothing started: nothing to wait for
     assert loops.threads() == []
+
+
+def test_a_lost_replica_gives_its_item_back_and_rejoins():
+    runner = Runner(2)
+    requeued = []
+
+    class Lost(Exception):
+        pass
+
+    def release(replica_id, requeue):
+        requeued.append((replica_id, requeue))
+        runner.items.put(lambda r: None)  # back on the queue, still counted as put
+        return True
+
+    runner.release = release
+    loops = ReplicaLoops(
+        runner, 2, lambda r, e: ReplicaState.LOST, name="loops-test", steps_per_loop=1
+    )
+
+    def on_replica_1(replica):
+        if replica == 1:
+            raise Lost("worker gone")
+        time.sleep(0.01)
+
+    runner.submit([on_replica_1] * 20)
+    loops.start()
+    loops.wait_idle(failed=lambda: False)
+    assert runner.pending() == 0  # replica 0 applied every item, the one given back too
+    assert loops.states()[1] is ReplicaState.LOST and requeued[0] == (1, True)
+    assert len(loops.threads()) == 2  # replica 0 and the idle monitor
+    loops.rejoin([1])
+    assert loops.states()[1] is ReplicaState.RUNNING
+    loops.stop()
+    assert loops.threads() == [] and loops.states() == [ReplicaState.STOPPED] * 2
+    with pytest.raises(RuntimeError, match="cannot go from stopped to rejoining"):
+        with loops._lock:
+            loops._move(0, ReplicaState.REJOINING)

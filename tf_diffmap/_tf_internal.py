@@ -268,3 +268,34 @@ _replica_tracing = _ReplicaTracing()
 
 def replica_tracing() -> _ReplicaTracing:
     return _replica_tracing
+
+
+# -- the eager context's cluster (faults across hosts) -----------------------
+
+
+def cluster_addresses() -> dict[str, str]:
+    """Task name (`/job:<j>/replica:0/task:<i>`) to `host:port`, of the
+    cluster this client is connected to (empty when it is not)."""
+    from tensorflow.python.eager import context
+
+    server_def = context.context().get_server_def()
+    if server_def is None:
+        return {}
+    return {
+        f"/job:{job.name}/replica:0/task:{index}": address
+        for job in server_def.cluster.job
+        for index, address in job.tasks.items()
+    }
+
+
+def reconnect_cluster() -> None:
+    """Reconnects to the same cluster: a restarted task gets a fresh context.
+
+    `update_server_def` compares every task's incarnation with the one the
+    client knew and makes a new remote context on each task that restarted,
+    as `ParameterServerStrategy`'s recovery does; the other tasks keep theirs.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    ctx.update_server_def(ctx.get_server_def())

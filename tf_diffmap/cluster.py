@@ -30,11 +30,31 @@ import threading
 
 import tensorflow as tf
 
+from tf_diffmap import faults
 from tf_diffmap.local_cluster import LocalCluster, parse_local_spec, run_local
 
 __all__ = ["connect", "strategy_for_cluster", "serve", "LocalCluster", "main"]
 
 CLIENT_JOBS = ("chief", "client", "evaluator")
+
+# How long `connect` waits for every worker and ps task to serve.
+CONNECT_TIMEOUT = 60.0
+
+
+def fail_fast() -> None:
+    """Makes the runtime's RPCs to a lost task fail at once instead of waiting.
+
+    `GRPC_FAIL_FAST=use_caller` (TensorFlow's RFC 355, what
+    `ParameterServerStrategy` relies on) fails a function call on a task that
+    is down with `UnavailableError` at once, instead of waiting for it to come
+    back; one outstanding RPC per task keeps the runtime's failure handling
+    simple, and `context.async_wait` (which Keras calls at the end of every
+    epoch) must not send an RPC to every task, a lost one included: as
+    `ParameterServerStrategy` sets them. A value the user set is kept.
+    """
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
+    os.environ.setdefault("TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY", "True")
 
 
 def _resolver(cluster_resolver):
@@ -50,12 +70,20 @@ def _resolver(cluster_resolver):
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
-def connect(cluster_resolver=None) -> tuple[list[str], list[str]]:
+def connect(
+    cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT
+) -> tuple[list[str], list[str]]:
     """Connects this client to the cluster; returns its worker and ps devices.
+
+    Every worker and ps task must serve: a task that is down when the chief
+    starts is waited for up to `connect_timeout` seconds, then named in the
+    error (the runtime itself would wait for it silently, for ever). A worker
+    lost *after* the connection is tolerated (see `tf_diffmap.faults`).
 
     Args:
         cluster_resolver: the cluster; by default read from `TF_CONFIG`. This
             process's task type must be a client job (`chief`).
+        connect_timeout: seconds to wait for every task to serve.
 
     Returns:
         `(replica_devices, parameter_devices)`: every GPU of each worker task
@@ -65,6 +93,8 @@ def connect(cluster_resolver=None) -> tuple[list[str], list[str]]:
     Raises:
         ValueError: no cluster, a cluster without `worker` or `ps` tasks, or a
             task type that is not a client job.
+        tf.errors.UnavailableError: tasks that did not serve within
+            `connect_timeout`, named with their addresses.
     """
     resolver = _resolver(cluster_resolver)
     spec = resolver.cluster_spec().as_dict()
@@ -81,6 +111,16 @@ def connect(cluster_resolver=None) -> tuple[list[str], list[str]]:
             f"must be one of {CLIENT_JOBS}. Start workers and ps tasks with "
             "`python -m tf_diffmap.cluster` instead."
         )
+    indices = lambda tasks: tasks if isinstance(tasks, dict) else range(len(tasks))  # noqa: E731
+    faults.wait_for_tasks(
+        {
+            f"/job:{job}/replica:0/task:{i}": spec[job][i]
+            for job in ("worker", "ps")
+            for i in indices(spec[job])
+        },
+        connect_timeout,
+    )
+    fail_fast()
     tf.config.experimental_connect_to_cluster(
         resolver, job_name=task_type, make_master_device_default=False
     )
@@ -96,7 +136,6 @@ def connect(cluster_resolver=None) -> tuple[list[str], list[str]]:
 
     workers = spec["worker"]
     ps = spec["ps"]
-    indices = lambda tasks: tasks if isinstance(tasks, dict) else range(len(tasks))  # noqa: E731
     replicas = [
         d for i in indices(workers) for d in task_devices("worker", i, ("GPU", "CPU"), True)
     ]
@@ -104,11 +143,13 @@ def connect(cluster_resolver=None) -> tuple[list[str], list[str]]:
     return replicas, store
 
 
-def strategy_for_cluster(cluster_resolver=None, **kwargs):
+def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT, **kwargs):
     """A `tf_diffmap.Strategy` over the cluster's workers, its store on the ps tasks.
 
     Args:
         cluster_resolver: the cluster; by default read from `TF_CONFIG`.
+        connect_timeout: seconds to wait for every worker and ps task to
+            serve before raising `tf.errors.UnavailableError` naming them.
         **kwargs: other `Strategy` options (`replicas_per_device`,
             `max_staleness`, `queue_size`).
 
@@ -118,7 +159,7 @@ def strategy_for_cluster(cluster_resolver=None, **kwargs):
     from tf_diffmap.devices import host_cpu
     from tf_diffmap.strategy import Strategy
 
-    replicas, store = connect(cluster_resolver)
+    replicas, store = connect(cluster_resolver, connect_timeout)
     strategy = Strategy(devices=replicas, parameter_device=store, **kwargs)
     # Datasets given to the strategy are built on the workers themselves.
     strategy.extended.worker_hosts = [host_cpu(d) for d in strategy.replica_devices]
@@ -158,6 +199,7 @@ def serve(
         )
     # The server makes its devices from its own session config, not from
     # tf.config's logical device configuration.
+    fail_fast()
     session_config = None
     if logical_cpus > 1:
         session_config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus})

@@ -131,13 +131,15 @@ class WorkerInput:
         self.workers = list(dict.fromkeys(self.worker_hosts))
         num_replicas = len(self.worker_hosts)
         num_workers = len(self.workers)
-        self.datasets: list[tf.data.Dataset] = []
+        self._dataset_fn = dataset_fn
+        self._graph = None
         if dataset is not None:
             _check_dataset(dataset)
             element_spec = dataset.element_spec
-            per_replica = -(-_global_batch(dataset) // num_replicas)
+            self._source_spec = element_spec
+            self._per_replica = -(-_global_batch(dataset) // num_replicas)
             try:
-                graph = tf.raw_ops.DatasetToGraphV2(
+                self._graph = tf.raw_ops.DatasetToGraphV2(
                     input_dataset=tf.data.experimental.to_variant(dataset),
                     external_state_policy=_FAIL_ON_EXTERNAL_STATE,
                     strip_device_assignment=True,
@@ -151,14 +153,7 @@ class WorkerInput:
                     "strategy.distribute_datasets_from_function(lambda context: ...) "
                     "(see the README, 'Where the input is built')."
                 ) from error
-            for index, host in enumerate(self.workers):
-                with tf.device(host):
-                    rebuilt = tf.data.experimental.from_variant(
-                        tf.raw_ops.DatasetFromGraph(graph_def=graph), element_spec
-                    )
-                    self.datasets.append(
-                        rebuilt.shard(num_workers, index).rebatch(per_replica).repeat()
-                    )
+            self.datasets = [self._pipeline(index) for index in range(num_workers)]
             cardinality = int(dataset.cardinality())
             if cardinality == tf.data.UNKNOWN_CARDINALITY:
                 # Counted once, on the chief (one pass over the pipeline).
@@ -166,17 +161,10 @@ class WorkerInput:
             steps = None if cardinality == tf.data.INFINITE_CARDINALITY else cardinality
         else:
             steps_total = 0
-            for index, host in enumerate(self.workers):
-                context = tf.distribute.InputContext(
-                    num_input_pipelines=num_workers,
-                    input_pipeline_id=index,
-                    num_replicas_in_sync=num_replicas,
-                )
-                with tf.device(host):
-                    made = dataset_fn(context)
-                    _check_dataset(made)
-                    cardinality = int(made.cardinality())
-                    self.datasets.append(made.repeat())
+            self.datasets = []
+            for index in range(num_workers):
+                made, cardinality = self._made_by_function(index)
+                self.datasets.append(made)
                 if cardinality < 0:
                     steps_total = None
                 elif steps_total is not None:
@@ -185,15 +173,53 @@ class WorkerInput:
             steps = None if steps_total is None else -(-steps_total // num_replicas)
         # What the workers' iterators yield (per-replica batches).
         self.element_spec = self.datasets[0].element_spec
-        self.iterators = []
-        for host, made in zip(self.workers, self.datasets):
-            with tf.device(host):
-                self.iterators.append(iter(made.prefetch(2)))
+        self.iterators = [self._iterator(index) for index in range(num_workers)]
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
         token = tf.nest.map_structure(_empty_batch, element_spec)
         ticks = tf.data.Dataset.from_tensors(token)
         ticks = ticks.repeat() if steps is None else ticks.repeat(steps)
         self.tokens = host_dataset(ticks, failed)
+
+    def _pipeline(self, index: int) -> tf.data.Dataset:
+        """Worker `index`'s pipeline, rebuilt from the chief's serialized graph."""
+        with tf.device(self.workers[index]):
+            rebuilt = tf.data.experimental.from_variant(
+                tf.raw_ops.DatasetFromGraph(graph_def=self._graph), self._source_spec
+            )
+            return rebuilt.shard(len(self.workers), index).rebatch(self._per_replica).repeat()
+
+    def _made_by_function(self, index: int) -> tuple[tf.data.Dataset, int]:
+        context = tf.distribute.InputContext(
+            num_input_pipelines=len(self.workers),
+            input_pipeline_id=index,
+            num_replicas_in_sync=len(self.worker_hosts),
+        )
+        with tf.device(self.workers[index]):
+            made = self._dataset_fn(context)
+            _check_dataset(made)
+            return made.repeat(), int(made.cardinality())
+
+    def _iterator(self, index: int):
+        with tf.device(self.workers[index]):
+            return iter(self.datasets[index].prefetch(2))
+
+    def rebuild(self, task: str) -> None:
+        """A fresh pipeline and iterator on a worker task that restarted.
+
+        What the task held (its pipeline, its iterator's position) went down
+        with it; the new pipeline starts from the beginning of its shard.
+
+        Args:
+            task: the worker task, `/job:worker/replica:0/task:<N>`.
+        """
+        for index, host in enumerate(self.workers):
+            if host.startswith(task + "/"):
+                if self._graph is not None:
+                    self.datasets[index] = self._pipeline(index)
+                else:
+                    self.datasets[index] = self._made_by_function(index)[0]
+                self.iterators[index] = self._iterator(index)
+        self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
 
     def iterator_for(self, replica_id: int):
         """The iterator of the replica's worker task."""

@@ -13,7 +13,9 @@ back while the queue is full or empty.
 Every shard that is put is counted (`progress[0]`), and every shard a loop
 takes is counted once it is applied or dropped (`progress[1]`), so that the
 caller can tell, with one read, what is still in flight. A STOP item (its
-first component true) ends one loop; it is not counted.
+first component true) ends one loop; it is not counted. While a loop holds a
+shard (taken, not yet counted), its replica's cell of `holding` is 1: when a
+loop call fails, that says whether a shard went down with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["ShardChannel", "loop_function"]
+__all__ = ["ShardChannel", "drop_function", "loop_function"]
 
 _PUT, _DONE = 0, 1
 
@@ -40,6 +42,7 @@ class ShardChannel:
         counter_device: where the in-flight counter lives: beside what the
             replica steps update anyway (the store's counters), so that
             counting a shard done is no extra hop for a remote replica.
+        replicas: how many replicas take from it.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class ShardChannel:
         device: str,
         name: str,
         counter_device: str | None = None,
+        replicas: int = 1,
     ):
         self.specs = list(specs)
         self.device = device
@@ -63,6 +67,9 @@ class ShardChannel:
         with tf.init_scope(), tf.device(self.counter_device):
             self.progress = tf.Variable(
                 tf.zeros([2], tf.int64), trainable=False, name=f"{name}_progress"
+            )
+            self.holding = tf.Variable(
+                tf.zeros([replicas], tf.int64), trainable=False, name=f"{name}_holding"
             )
 
     # -- in graphs ------------------------------------------------------------
@@ -96,10 +103,23 @@ class ShardChannel:
             tensor.set_shape(spec.shape)
         return stop, shard
 
-    def done(self) -> tf.Operation:
-        """Counts one taken shard as applied or dropped."""
+    def hold(self, replica_id: tf.Tensor) -> tf.Operation:
+        """Marks that the replica holds a shard it took."""
         with tf.device(self.counter_device):
-            return self.progress.scatter_nd_add([[_DONE]], [tf.constant(1, tf.int64)])
+            return self.holding.scatter_nd_update(
+                tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
+            )
+
+    def done(self, replica_id: tf.Tensor | None = None) -> tf.Operation:
+        """Counts one taken shard as applied or dropped (and no longer held)."""
+        with tf.device(self.counter_device):
+            counted = self.progress.scatter_nd_add([[_DONE]], [tf.constant(1, tf.int64)])
+            if replica_id is None:
+                return counted
+            with tf.control_dependencies([counted]):
+                return self.holding.scatter_nd_update(
+                    tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
+                )
 
     # -- from Python ----------------------------------------------------------
 
@@ -108,9 +128,27 @@ class ShardChannel:
         put, done = self.progress.numpy()
         return max(int(put - done), 0)
 
-    def count_failed(self) -> None:
-        """Counts the shard a failed loop took, which it could not count."""
-        self.progress.scatter_nd_add([[_DONE]], [1])
+    def release(self, replica_id: int, requeue: bool) -> bool:
+        """Lets go of the shard a failed loop call held, if it held one.
+
+        Args:
+            replica_id: the replica whose loop call failed.
+            requeue: put it back on the queue as an empty shard (a token
+                stands for a shard the taker reads itself, so another
+                replica takes it instead); otherwise count it done.
+
+        Returns:
+            Whether the replica held a shard.
+        """
+        if not int(self.holding[replica_id]):
+            return False
+        self.holding.scatter_nd_update([[replica_id]], [0])
+        if requeue:
+            with tf.device(self.device):
+                self.queue.enqueue([tf.constant(False), *self._empty()])
+        else:
+            self.progress.scatter_nd_add([[_DONE]], [1])
+        return True
 
     def resync(self) -> None:
         """With no loop running and nothing queued: nothing is in flight."""
@@ -121,15 +159,18 @@ class ShardChannel:
 
     def send_stops(self, count: int) -> None:
         """Queues `count` STOP items, each with an empty shard."""
-        empty = [
+        empty = self._empty()
+        with tf.device(self.device):
+            for _ in range(count):
+                self.queue.enqueue([tf.constant(True), *empty])
+
+    def _empty(self) -> list[tf.Tensor]:
+        return [
             tf.zeros([0 if d is None else d for d in spec.shape.as_list()], spec.dtype)
             if spec.shape.rank is not None
             else tf.zeros([0], spec.dtype)
             for spec in self.specs
         ]
-        with tf.device(self.device):
-            for _ in range(count):
-                self.queue.enqueue([tf.constant(True), *empty])
 
 
 def loop_function(
@@ -174,15 +215,16 @@ def loop_function(
                 shard = fetch(item, *sources) if fetch is not None else item
                 after = apply_shard(replica_id, shard, claims)
                 with tf.control_dependencies([after]):
-                    with tf.control_dependencies([channel.done()]):
+                    with tf.control_dependencies([channel.done(replica_id)]):
                         return tf.identity(after)
 
             def drop():
-                with tf.control_dependencies([channel.done()]):
+                with tf.control_dependencies([channel.done(replica_id)]):
                     return tf.identity(claims)
 
             def take_item():
-                return tf.cond(skip(item, failed), drop, apply)
+                with tf.control_dependencies([channel.hold(replica_id)]):
+                    return tf.cond(skip(item, failed), drop, apply)
 
             def end():
                 return tf.identity(claims)
@@ -203,3 +245,40 @@ def loop_function(
         return taken, stopped
 
     return loop
+
+
+def drop_function(channel: ShardChannel) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+    """A loop that only takes items and counts them dropped, on the queue's host.
+
+    A replica that failed runs this instead of its own loop, which may need a
+    task that is gone: the queue keeps draining, so that whatever feeds it
+    never blocks, until a STOP ends it.
+
+    Returns:
+        `drop(max_steps) -> (items taken, whether a STOP ended it)`.
+    """
+
+    def drop(max_steps):
+        def cond(taken, stopped):
+            return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
+
+        def body(taken, stopped):
+            stop, _ = channel.take()
+            counted = tf.cond(
+                stop,
+                lambda: tf.constant(False),
+                lambda: _after(channel.done(), tf.constant(True)),
+            )
+            with tf.control_dependencies([counted]):
+                return taken + tf.cast(tf.logical_not(stop), tf.int32), tf.identity(stop)
+
+        return tf.while_loop(
+            cond, body, [tf.constant(0, tf.int32), tf.constant(False)], parallel_iterations=1
+        )
+
+    return drop
+
+
+def _after(op, value):
+    with tf.control_dependencies([op]):
+        return tf.identity(value)

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.loops import ShardChannel, loop_function
+from tf_diffmap.loops import ShardChannel, drop_function, loop_function
 from tf_diffmap.outputs import mark_one_replica
 from tf_diffmap.step import StepState, tracing_step
 from tf_diffmap.workers import ReplicaLoops
@@ -213,7 +213,12 @@ class Program:
         name = f"tf_diffmap_{len(extended._programs)}"
         self.worker_input = extended.worker_input_for(self.specs)
         self.channel = ShardChannel(
-            self.specs, extended.queue_size, host, name, counter_device=extended._store.host
+            self.specs,
+            extended.queue_size,
+            host,
+            name,
+            counter_device=extended._store.host,
+            replicas=len(extended.replica_devices),
         )
         _, leaves, positions = self._output_specs()
         with tf.init_scope(), tf.device(host):
@@ -257,6 +262,10 @@ class Program:
             replica = extended.replica_devices.index(device)
             concrete(tf.constant(0, tf.int32), tf.constant(0, tf.int32), *self._sources(replica))
             self.loop_concretes[device] = concrete
+        with tf.device(host):
+            self.drop_concrete = tf.function(
+                drop_function(self.channel), autograph=False
+            ).get_concrete_function(tf.TensorSpec([], tf.int32))
 
     def _sources(self, replica_id: int) -> list:
         if self.worker_input is None:
@@ -408,12 +417,14 @@ class Program:
 
     def _start_loops(self):
         self.loops.start(on_idle=self.mark_drained)
+        self.extended.faults.resume()
         return True
 
     def mark_drained(self) -> None:
         """Nothing in flight: the next step is a first step again."""
         if self.fresh is not None:
             self.fresh.assign(False)
+        self.extended.faults.pause()
 
     def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
         """One call of the replica's loop function (in its worker thread)."""
@@ -431,8 +442,17 @@ class Program:
     def send_stops(self, count: int) -> None:
         self.channel.send_stops(count)
 
-    def count_failed(self) -> None:
-        self.channel.count_failed()
+    def drop_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """A failed replica's loop: take items and drop them, on the client host."""
+        del replica_id  # Any replica drops the same way.
+        taken, stopped = self.drop_concrete(tf.constant(max_steps, tf.int32))
+        return int(taken), bool(stopped)
+
+    def release(self, replica_id: int, requeue: bool) -> bool:
+        """The item a failed loop call held: a token goes back on the queue
+        (for a live replica to read its own shard), a real shard is counted
+        done (its data went down with the call)."""
+        return self.channel.release(replica_id, requeue=requeue and self.worker_input is not None)
 
     def replica_steps(self) -> list[int]:
         return self.extended.replica_steps()

@@ -43,6 +43,9 @@ class StalenessStats:
             a staleness rule applied to the learning rate.
         examples: per replica, the examples its updates (applied or dropped)
             were computed on.
+        abandoned: claimed versions whose step never completed (interrupted
+            by a lost worker, or by an error); version = completed updates
+            + abandoned, once nothing is in flight.
     """
 
     version: int
@@ -53,6 +56,7 @@ class StalenessStats:
     histogram: np.ndarray
     lr_scale_sum: np.ndarray | None = None
     examples: np.ndarray | None = None
+    abandoned: int = 0
 
     @property
     def num_replicas(self) -> int:
@@ -121,6 +125,7 @@ class StalenessStats:
             examples=None
             if self.examples is None or earlier.examples is None
             else self.examples - earlier.examples,
+            abandoned=self.abandoned - earlier.abandoned,
         )
 
     @property

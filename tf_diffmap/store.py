@@ -99,6 +99,8 @@ class ParameterStore:
         self._bytes = {d: 0 for d in self.devices}
         self.host = _host_of(self.devices[0])
         self.histogram_bins = max(64, 8 * num_replicas)
+        # Claims whose step never completed (see `settle_abandoned`).
+        self.abandoned = 0
         with tf.init_scope(), tf.device(self.host):
             zeros = tf.zeros([num_replicas], tf.int64)
             # `version` counts claimed updates, `completed` the claimed steps
@@ -195,6 +197,25 @@ class ParameterStore:
         with tf.device(self.host):
             self.completed.assign(self.version)
 
+    def settle_abandoned(self) -> int:
+        """With nothing in flight: counts the claims that never completed.
+
+        A step interrupted after its claim (its worker was lost, or it
+        raised) never counts itself completed. Once nothing is in flight,
+        the difference is abandoned claims, so that the version equals the
+        completed updates plus the abandoned claims.
+
+        Returns:
+            The claims abandoned since the last call.
+        """
+        version, completed = int(_read(self.version)), int(_read(self.completed))
+        if version == completed:
+            return 0
+        self.abandoned += version - completed
+        with tf.device(self.host):
+            self.completed.assign(version)
+        return version - completed
+
     def claim_version(self, read_version: tf.Tensor) -> tf.Tensor:
         """Bumps the version atomically; returns this update's staleness.
 
@@ -269,6 +290,7 @@ class ParameterStore:
             histogram=counters[:, _HISTOGRAM:],
             staleness_max=_read(self.staleness_max),
             lr_scale_sum=_read(self.lr_scale_sum),
+            abandoned=self.abandoned,
         )
 
     def reset_statistics(self) -> None:

@@ -27,6 +27,7 @@ Keras' graph, on the first replica device.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import weakref
@@ -35,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, inputs, outputs
+from tf_diffmap import _tf_internal, faults, inputs, outputs
 from tf_diffmap.devices import (
     default_replica_devices,
     inter_op_threads,
@@ -48,6 +49,7 @@ from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
 from tf_diffmap.store import ParameterStore, outside_scope_message
+from tf_diffmap.workers import ReplicaState
 
 __all__ = ["Strategy", "current_step"]
 
@@ -102,6 +104,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self._graph_may_wait = inter_op_threads() >= 2
         self._store_variable_ids: set[int] = set()
         self._momentum_watch = MomentumWatch(check_every=1)
+        # Lost tasks: what a replica's error means, the replicas' record,
+        # and the thread that brings a lost worker back.
+        self.faults = faults.FaultHandler(replica_devices, on_back=self._rejoin)
 
     # -- drain and errors ---------------------------------------------------
 
@@ -124,6 +129,10 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 drained = True
         self.raise_error()
         if drained:
+            # Nothing in flight: a claim that never completed was abandoned
+            # (its step was interrupted by a lost worker).
+            self._store.settle_abandoned()
+        if drained:
             # Once per stretch of training: is momentum adding up past 1?
             self._momentum_watch.check(self._store.statistics)
 
@@ -136,19 +145,47 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             program.channel.resync()
             program.mark_drained()
         # A failed step may have claimed a version without completing it.
-        self._store.resync_completed()
+        if self.faults.ps_lost is None:
+            self._store.settle_abandoned()
         with self._error_lock:
             error, self._error = self._error, None
         self.failed.assign(False)
         if error is not None:
             raise error
 
-    def _replica_failed(self, error: BaseException) -> None:
-        """A replica's loop raised (called from its thread)."""
+    def _replica_failed(self, replica_id: int, error: BaseException) -> ReplicaState:
+        """A replica's loop raised (called from its thread): its next state.
+
+        A lost worker's replicas are LOST and the others go on; anything
+        fatal is kept to be raised, and the failure flag ends the input.
+        """
+        state, raised = self.faults.verdict(replica_id, error)
+        if state != "failed":
+            return ReplicaState(state)
         with self._error_lock:
             if self._error is None:
-                self._error = error
+                self._error = raised
         self.failed.assign(True)
+        return ReplicaState.FAILED
+
+    def _rejoin(self, task: str, replica_ids: list[int]) -> None:
+        """A lost worker serves again (called from the rejoiner's thread)."""
+        if self._worker_input is not None:
+            self._worker_input.rebuild(task)
+        for program in self._training_programs():
+            program.loops.rejoin(replica_ids)
+
+    def replica_states(self) -> list[faults.ReplicaReport]:
+        running = {r: "running" for r in range(len(self.replica_devices))}
+        for program in self._training_programs():
+            for r, state in enumerate(program.loops.states()):
+                if state is not ReplicaState.RUNNING:
+                    running[r] = state.value
+        reports = self.faults.reports()
+        return [
+            report if report.state == "lost" else dataclasses.replace(report, state=running[r])
+            for r, report in enumerate(reports)
+        ]
 
     def _drain_from_graph(self) -> None:
         """A drain asked for by a step in a graph (evaluate, predict)."""
@@ -605,6 +642,16 @@ class Strategy(_tf_internal.StrategyBase):
         """Per-replica updates, staleness and histogram (a snapshot)."""
         return self.extended._store.statistics()
 
+    def replica_states(self) -> list[faults.ReplicaReport]:
+        """Each replica's state, and when and why it was last lost (a snapshot).
+
+        On a cluster a replica whose worker task is unreachable is "lost"
+        until the task serves again; `error` is the runtime's error that
+        showed it, `since` the wall-clock time of its last change, `lost`
+        how often it was lost.
+        """
+        return self.extended.replica_states()
+
     def reset_statistics(self) -> None:
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
@@ -657,6 +704,7 @@ class Strategy(_tf_internal.StrategyBase):
         extended = self.extended
         extended.failed.assign(True)  # The loops drop what is still queued.
         try:
+            extended.faults.stop()
             for program in extended._training_programs():
                 program.loops.stop()
                 program.mark_drained()
@@ -666,7 +714,8 @@ class Strategy(_tf_internal.StrategyBase):
 
     def worker_threads(self) -> list[threading.Thread]:
         """The worker threads alive now (for tests and diagnostics)."""
-        return [t for p in self.extended._training_programs() for t in p.loops.threads()]
+        loops = [t for p in self.extended._training_programs() for t in p.loops.threads()]
+        return loops + self.extended.faults.rejoiner.threads()
 
     def seconds_held_back(self) -> list[float]:
         """Per replica, the time `max_staleness` kept it waiting for others."""

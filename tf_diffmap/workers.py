@@ -8,15 +8,15 @@ thus touches a replica once per K shards, and a slow replica simply takes
 fewer shards: nobody waits at a barrier. TensorFlow releases the GIL while a
 function runs, so the loops overlap.
 
-A thread's life, one `ReplicaState` each::
-
-    STOPPED --start()--> RUNNING --STOP item taken while stopping--> STOPPED
-    RUNNING --its loop raised--> FAILED --the error was raised--> STOPPED
-
-A FAILED thread keeps calling its loop, which then drops what it takes (the
-strategy's failure flag is set), so that nothing that feeds the queue ever
-blocks on a failed replica. Under `max_staleness` the thread asks for one
-shard at a time and only while its replica is within the bound.
+A replica's life is one `ReplicaState`; its transitions are listed in the
+enum's docstring and made in one place (`ReplicaLoops._move`). A FAILED
+replica runs the runner's *drop loop* instead of its own (which may need a
+task that is gone): it takes what is queued and counts it dropped, so that
+nothing that feeds the queue ever blocks on a failed replica. A LOST replica
+(its worker task is unreachable, see `tf_diffmap.faults`) has no thread
+until `rejoin` starts one. Under `max_staleness` the thread asks for one
+shard at a time and only while its replica is within the bound of the
+slowest replica that is not lost.
 """
 
 from __future__ import annotations
@@ -41,11 +41,40 @@ class WorkerError(RuntimeError):
 
 
 class ReplicaState(enum.Enum):
-    """Where one replica's thread is (transitions in the module docstring)."""
+    """Where one replica is. Every transition, and what causes it::
+
+        STOPPED   --start()-->                          RUNNING
+        RUNNING   --STOP item taken while stopping-->   STOPPED
+        RUNNING   --its loop raised an error-->         FAILED
+        RUNNING   --its loop lost its worker task-->    LOST
+        FAILED    --STOP item taken while stopping-->   STOPPED
+        FAILED    --start() once its thread is gone-->  RUNNING
+        LOST      --rejoin(): its worker serves again--> REJOINING
+        REJOINING --its thread started-->               RUNNING
+        REJOINING --rejoined while loops are stopped--> STOPPED
+
+    Only `ReplicaLoops._move` changes a state, and refuses any other change.
+    `start()` leaves LOST replicas alone: they come back through `rejoin`.
+    """
 
     STOPPED = "stopped"
     RUNNING = "running"
     FAILED = "failed"
+    LOST = "lost"
+    REJOINING = "rejoining"
+
+
+_MOVES = {
+    (ReplicaState.STOPPED, ReplicaState.RUNNING),
+    (ReplicaState.RUNNING, ReplicaState.STOPPED),
+    (ReplicaState.RUNNING, ReplicaState.FAILED),
+    (ReplicaState.RUNNING, ReplicaState.LOST),
+    (ReplicaState.FAILED, ReplicaState.STOPPED),
+    (ReplicaState.FAILED, ReplicaState.RUNNING),
+    (ReplicaState.LOST, ReplicaState.REJOINING),
+    (ReplicaState.REJOINING, ReplicaState.RUNNING),
+    (ReplicaState.REJOINING, ReplicaState.STOPPED),
+}
 
 
 class LoopRunner(Protocol):
@@ -60,8 +89,11 @@ class LoopRunner(Protocol):
     def send_stops(self, count: int) -> None:
         """Queues `count` STOP items (one ends one loop)."""
 
-    def count_failed(self) -> None:
-        """Counts as done the shard a loop was applying when it raised."""
+    def drop_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """Takes up to `max_steps` items and counts them dropped; (taken, stopped)."""
+
+    def release(self, replica_id: int, requeue: bool) -> bool:
+        """Lets go of the item a failed loop call held (queued again, or done)."""
 
     def replica_steps(self) -> Sequence[int]:
         """Steps each replica has completed (the store's own count)."""
@@ -73,8 +105,11 @@ class ReplicaLoops:
     Args:
         runner: the program's queue and loop functions.
         num_replicas: how many threads (one per replica id).
-        on_error: called (from the failing thread) with the first error of a
-            replica, before the thread goes on dropping shards.
+        on_error: called (from the failing thread) with the replica id and
+            the error its loop raised; returns the replica's next state:
+            FAILED (the thread goes on dropping shards), LOST (the item it
+            held goes back on the queue and the thread ends) or RUNNING (the
+            item goes back on the queue and the thread goes on).
         name: prefix of the threads' names.
         steps_per_loop: K, the most shards one loop call applies.
         max_staleness: Stale Synchronous Parallel bound: a replica does not
@@ -86,7 +121,7 @@ class ReplicaLoops:
         self,
         runner: LoopRunner,
         num_replicas: int,
-        on_error: Callable[[BaseException], None],
+        on_error: Callable[[int, BaseException], ReplicaState],
         name: str = "tf_diffmap",
         steps_per_loop: int = 32,
         max_staleness: int | None = None,
@@ -124,22 +159,58 @@ class ReplicaLoops:
                 self._on_idle = on_idle
             self._stopping = False
             for replica_id in range(self.num_replicas):
-                thread = self._threads.get(replica_id)
-                if thread is None or not thread.is_alive():
-                    self._states[replica_id] = ReplicaState.RUNNING
-                    thread = threading.Thread(
-                        target=self._run,
-                        args=(replica_id,),
-                        name=f"{self.name}-replica-{replica_id}",
-                        daemon=True,
-                    )
-                    self._threads[replica_id] = thread
-                    thread.start()
+                if self._states[replica_id] in (ReplicaState.LOST, ReplicaState.REJOINING):
+                    continue
+                self._start_thread(replica_id)
             if self._monitor is None or not self._monitor.is_alive():
                 self._monitor = threading.Thread(
                     target=self._watch_idle, name=f"{self.name}-idle", daemon=True
                 )
                 self._monitor.start()
+
+    def _start_thread(self, replica_id: int) -> None:
+        """Starts the replica's thread unless it runs (holding the lock)."""
+        thread = self._threads.get(replica_id)
+        if thread is not None and thread.is_alive():
+            return
+        if self._states[replica_id] is not ReplicaState.RUNNING:
+            self._move(replica_id, ReplicaState.RUNNING)
+        thread = threading.Thread(
+            target=self._run,
+            args=(replica_id,),
+            name=f"{self.name}-replica-{replica_id}",
+            daemon=True,
+        )
+        self._threads[replica_id] = thread
+        thread.start()
+
+    def _move(self, replica_id: int, state: ReplicaState) -> None:
+        """The one place a replica's state changes (holding the lock)."""
+        before = self._states[replica_id]
+        if before is state:
+            return
+        if (before, state) not in _MOVES:
+            raise RuntimeError(
+                f"Replica {replica_id} cannot go from {before.value} to {state.value}."
+            )
+        self._states[replica_id] = state
+
+    def rejoin(self, replica_ids: Sequence[int]) -> None:
+        """Brings LOST replicas back: their threads start if the loops run.
+
+        While the loops are stopped (idle, or drained) the replicas become
+        STOPPED, and the next `start()` starts them with the others.
+        """
+        with self._lock:
+            running = not self._stopping and any(t.is_alive() for t in self._threads.values())
+            for replica_id in replica_ids:
+                if self._states[replica_id] is not ReplicaState.LOST:
+                    continue
+                self._move(replica_id, ReplicaState.REJOINING)
+                if running:
+                    self._start_thread(replica_id)
+                else:
+                    self._move(replica_id, ReplicaState.STOPPED)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ends every loop once what is queued before the stop is taken."""
@@ -195,8 +266,11 @@ class ReplicaLoops:
         if self.max_staleness is None:
             return self.steps_per_loop
         steps = self.runner.replica_steps()
+        with self._lock:
+            gone = (ReplicaState.LOST, ReplicaState.REJOINING)
+            live = [s for s, state in zip(steps, self._states) if state not in gone]
         # One at a time: the bound is checked again before every step.
-        return 1 if steps[replica_id] - min(steps) <= self.max_staleness else 0
+        return 1 if steps[replica_id] - min(live or steps) <= self.max_staleness else 0
 
     def _run(self, replica_id: int) -> None:
         self._local.replica_id = replica_id
@@ -217,22 +291,34 @@ class ReplicaLoops:
                 with self._lock:
                     self._waited[replica_id] += time.monotonic() - held_since
                 held_since = None
+            with self._lock:
+                failed = self._states[replica_id] is ReplicaState.FAILED
             try:
-                _, stopped = self.runner.run_loop(replica_id, allowed)
+                if failed:
+                    _, stopped = self.runner.drop_loop(replica_id, self.steps_per_loop)
+                else:
+                    _, stopped = self.runner.run_loop(replica_id, allowed)
             except BaseException as error:  # noqa: BLE001 - handed to the strategy
+                if failed:
+                    raise  # The drop loop runs on the queue's host only.
                 if not isinstance(error, Exception):
                     wrapped = WorkerError(f"replica {replica_id} stopped: {error!r}")
                     wrapped.__cause__ = error
                     error = wrapped
+                state = self._on_error(replica_id, error)
+                self.runner.release(replica_id, requeue=state is not ReplicaState.FAILED)
                 with self._lock:
-                    self._states[replica_id] = ReplicaState.FAILED
-                self._on_error(error)
-                self.runner.count_failed()
+                    self._move(replica_id, state)
+                    self._progress.notify_all()
+                    if state is ReplicaState.LOST:
+                        if self._threads.get(replica_id) is threading.current_thread():
+                            del self._threads[replica_id]
+                        return
                 continue
             with self._lock:
                 self._progress.notify_all()
                 if stopped and self._stopping:
-                    self._states[replica_id] = ReplicaState.STOPPED
+                    self._move(replica_id, ReplicaState.STOPPED)
                     if self._threads.get(replica_id) is threading.current_thread():
                         del self._threads[replica_id]
                     return

@@ -1,0 +1,218 @@
+"""Faults across hosts, on multi-process clusters on 127.0.0.1.
+
+Modelled on the cases of TensorFlow's own `ParameterServerStrategy` fault
+tolerance tests (`coordinator/fault_tolerance_test_base.py`): workers killed
+between steps and mid-step, two workers killed, a worker that keeps failing
+and restarting, a worker that rejoins, the ps killed, a chief started while a
+worker is down. Each test runs a chief in a subprocess, which starts its
+cluster with `LocalCluster` and kills and restarts only those processes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+CHIEF = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    import keras, numpy as np, tensorflow as tf
+    from tf_diffmap import cluster
+
+    scenario, workers = sys.argv[1], int(sys.argv[2])
+    report = {}
+    with cluster.LocalCluster(workers=workers, ps=1) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
+        y = (x.sum(axis=1) > 0).astype("int32")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        steps_by_epoch = []
+
+        class Faults(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                epoch = len(steps_by_epoch)
+                if scenario == "mid_step" and (epoch, batch) == (0, 10):
+                    # From another thread, while the loops apply shards.
+                    threading.Timer(0.05, local.kill, ("worker", workers - 1)).start()
+                if scenario == "two_workers" and (epoch, batch) == (0, 10):
+                    local.kill("worker", 1)
+                    local.kill("worker", 2)
+                if scenario == "flapping" and batch in (5, 25, 45) and epoch < 3:
+                    if local.is_running("worker", 1):
+                        local.kill("worker", 1)
+                    if batch == 45:
+                        local.restart("worker", 1)
+                if scenario == "rejoin" and (epoch, batch) == (0, 10):
+                    local.kill("worker", 1)
+                if scenario == "rejoin" and (epoch, batch) == (0, 30):
+                    report["steps_before_restart"] = strategy.replica_steps()
+                    local.restart("worker", 1)
+                if scenario == "ps" and (epoch, batch) == (1, 10):
+                    report["killed_at"] = time.monotonic()
+                    local.kill("ps", 0)
+                if scenario == "all_lost" and (epoch, batch) == (0, 10):
+                    report["killed_at"] = time.monotonic()
+                    local.kill("worker", 0)
+
+            def on_epoch_end(self, epoch, logs=None):
+                steps_by_epoch.append(strategy.replica_steps())
+                if scenario == "between_steps" and epoch == 0:
+                    local.kill("worker", workers - 1)
+
+        try:
+            model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[Faults()])
+            report["finished"] = True
+        except Exception as error:
+            report["raised"] = type(error).__name__
+            report["message"] = str(error)
+            report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
+            cause = error.__cause__ or error.__context__
+            report["cause"] = type(cause).__name__ if cause is not None else None
+        time.sleep(1.5)  # the idle monitor's second
+        report["threads"] = [
+            t.name for t in threading.enumerate() if t.name.startswith("tf_diffmap")
+        ]
+        if scenario not in ("ps",):
+            stats = strategy.statistics()
+            report["version"] = strategy.version
+            report["claims"] = int(stats.updates.sum() + stats.dropped.sum())
+            report["abandoned"] = stats.abandoned
+            report["steps"] = strategy.replica_steps()
+        report["steps_by_epoch"] = steps_by_epoch
+        report["states"] = [
+            (r.state, r.lost, r.error is not None) for r in strategy.replica_states()
+        ]
+    print(json.dumps(report))
+    os._exit(0)  # a lost ps leaves the runtime's own threads behind
+    """
+)
+
+EPOCHS, BATCHES = 4, 2048 // 32
+
+
+def run_chief(scenario: str, workers: int, tmp_path, timeout=240) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", CHIEF, scenario, str(workers)],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check_counts(report: dict, replicas: int) -> None:
+    """Every token was applied; claims that never completed are abandoned.
+
+    A token is applied once, or twice when its loop call was cut off in the
+    instant between its step's completion and its count (at most once per
+    loss): the version still counts every claim.
+    """
+    losses = sum(state[1] for state in report["states"])
+    assert 0 <= sum(report["steps"]) - EPOCHS * BATCHES * replicas <= losses
+    assert report["version"] == sum(report["steps"]) + report["abandoned"]
+    assert report["version"] - report["abandoned"] <= report["claims"] <= report["version"]
+    assert report["threads"] == []
+
+
+@pytest.mark.parametrize("scenario", ["between_steps", "mid_step"])
+def test_a_killed_worker_costs_no_update_and_training_goes_on(scenario, tmp_path):
+    report = run_chief(scenario, 2, tmp_path)
+    assert report.get("finished"), report
+    check_counts(report, 2)
+    # The survivor did the work of the epochs after the loss.
+    first, last = report["steps_by_epoch"][0], report["steps_by_epoch"][-1]
+    assert last[1] - first[1] <= 2 * BATCHES // 10
+    assert last[0] - first[0] >= (EPOCHS - 1) * BATCHES * 2 - 2 * BATCHES // 10
+    assert report["states"][1][:2] == ["lost", 1] and report["states"][1][2]
+
+
+def test_two_workers_killed_leave_one_that_trains(tmp_path):
+    report = run_chief("two_workers", 3, tmp_path)
+    assert report.get("finished"), report
+    check_counts(report, 3)
+    assert [s[0] for s in report["states"]] == ["stopped", "lost", "lost"]
+
+
+def test_a_worker_that_keeps_failing_and_restarting(tmp_path):
+    report = run_chief("flapping", 2, tmp_path)
+    assert report.get("finished"), report
+    check_counts(report, 2)
+    assert report["states"][1][1] >= 2  # lost more than once
+
+
+def test_a_restarted_worker_rejoins_and_trains_again(tmp_path):
+    report = run_chief("rejoin", 2, tmp_path)
+    assert report.get("finished"), report
+    check_counts(report, 2)
+    before = report["steps_before_restart"][1]
+    assert report["steps"][1] > before + BATCHES // 4, report
+    assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1
+
+
+def test_a_killed_ps_is_an_unavailable_error_naming_it(tmp_path):
+    report = run_chief("ps", 2, tmp_path)
+    assert report["raised"] == "UnavailableError", report
+    message = report["message"]
+    assert "/job:ps/replica:0/task:0" in message
+    assert "BackupAndRestore" in message and "Restart that ps task" in message
+    assert len(message) < 600
+    assert report["seconds"] < 15
+    assert report["threads"] == []
+
+
+def test_every_replica_lost_is_a_clear_error(tmp_path):
+    report = run_chief("all_lost", 1, tmp_path)
+    assert report["raised"] == "UnavailableError", report
+    assert "Every replica is lost" in report["message"]
+    assert "/job:worker/replica:0/task:0" in report["message"]
+    assert report["seconds"] < 15
+    assert report["threads"] == []
+
+
+DOWN = textwrap.dedent(
+    """
+    import json, sys, time
+    import tensorflow as tf
+    from tf_diffmap import cluster
+
+    with cluster.LocalCluster(workers=2, ps=1) as local:
+        local.kill("worker", 1)
+        start = time.monotonic()
+        try:
+            cluster.strategy_for_cluster(local.resolver(), connect_timeout=3)
+            print(json.dumps({"connected": True}))
+        except tf.errors.UnavailableError as error:
+            print(json.dumps({"message": str(error), "seconds": time.monotonic() - start,
+                              "address": local.cluster_spec["worker"][1]}))
+    """
+)
+
+
+def test_a_chief_started_while_a_worker_is_down_fails_in_bounded_time(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", DOWN],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "/job:worker/replica:0/task:1" in report["message"], report
+    assert report["address"] in report["message"]
+    assert "/job:worker/replica:0/task:0" not in report["message"]
+    assert "connect_timeout" in report["message"]
+    assert 3 <= report["seconds"] < 15

@@ -1,0 +1,485 @@
+"""Faults across hosts: which task was lost, what it costs, how it comes back.
+
+On a cluster a replica's loop runs on a worker task and updates variables on
+the ps tasks, so a lost task shows up as an error raised by a loop call. The
+runtime names the task it could not reach in the message
+(`... from remote target /job:worker/replica:0/task:1 ...`), as
+`ParameterServerStrategy`'s own fault handling reads it; a message can name
+several tasks (a ps relays the error of a worker it was receiving from), so
+the tasks named are *probed*: a tiny op on each task's CPU, which fails at once
+on a task that is down (the chief connects with `GRPC_FAIL_FAST=use_caller`).
+
+What each fault does (the replicas' states are `workers.ReplicaState`):
+
+- a **lost worker**: the replicas of that worker become LOST; the strategy's
+  failure flag is not set, the other replicas go on. The shard a lost replica
+  held (a token on a cluster) goes back on the queue for a live replica; its
+  claim on a store version, if it made one, is *abandoned* (counted when the
+  loops are next idle, so that version = completed + abandoned).
+  A `Rejoiner` thread probes the lost workers about once a second; once one
+  serves again, it reconnects the cluster (`update_server_def`), rebuilds
+  that worker's input pipeline and restarts its replicas (REJOINING, then
+  RUNNING).
+- **every replica lost**, and a **lost ps**: fatal. The loops stop, the input
+  ends and the error is raised as `tf.errors.UnavailableError` naming the
+  task(s), with the runtime's error as its `__cause__`.
+- any other error of a replica: raised as its own type; on a cluster its
+  message is shortened to its first line and the task, with the runtime's
+  error as the cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+
+__all__ = [
+    "Fault",
+    "FaultHandler",
+    "ReplicaReport",
+    "Rejoiner",
+    "classify",
+    "named_tasks",
+    "restated",
+    "lost_ps_error",
+    "lost_replicas_error",
+    "unreachable",
+]
+
+logger = logging.getLogger("tf_diffmap")
+
+# How often the rejoiner looks again at a lost worker.
+PROBE_SECONDS = 1.0
+# A replica whose calls fail this often within RETRY_WINDOW seconds because
+# of another task is failed, not retried again.
+RETRIES = 5
+RETRY_WINDOW = 10.0
+
+_TASK = re.compile(r"/job:(worker|ps|chief)/replica:0/task:(\d+)")
+# Words of the runtime's messages when a peer is gone.
+_CONNECTION_WORDS = (
+    "socket closed",
+    "connection reset",
+    "connection refused",
+    "failed to connect",
+    "connect failed",
+    "broken pipe",
+    "unable to find a context_id",
+    "unable to find the relevant tensor remote_handle",
+    "unavailable",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A task that a replica could not reach.
+
+    Attributes:
+        job: "worker" or "ps".
+        task: its full name, `/job:<job>/replica:0/task:<N>`.
+    """
+
+    job: str
+    task: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaReport:
+    """One replica's state, as `Strategy.replica_states()` reports it.
+
+    Attributes:
+        replica: the replica id.
+        device: the replica's device.
+        state: "running", "stopped", "failed", "lost" or "rejoining".
+        since: wall-clock time (`time.time()`) of the last change of state
+            caused by a fault, or None.
+        error: the error that made it lost, or None.
+        lost: how many times this replica was lost.
+    """
+
+    replica: int
+    device: str
+    state: str
+    since: float | None = None
+    error: BaseException | None = None
+    lost: int = 0
+
+
+def named_tasks(error: BaseException) -> list[str]:
+    """The tasks an error's message names, in order of first mention."""
+    found = [f"/job:{job}/replica:0/task:{index}" for job, index in _TASK.findall(str(error))]
+    return list(dict.fromkeys(found))
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether an error is of the kinds the runtime raises for a lost peer."""
+    if isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError)):
+        return True
+    if isinstance(
+        error, (tf.errors.CancelledError, tf.errors.AbortedError, tf.errors.UnknownError)
+    ):
+        text = str(error).lower()
+        return any(word in text for word in _CONNECTION_WORDS)
+    if isinstance(error, tf.errors.InvalidArgumentError):
+        # A task restarted between two calls: the new server does not know
+        # the client's context (ParameterServerStrategy's own classification).
+        text = str(error).lower()
+        return "unable to find" in text or "unknown device" in text
+    return False
+
+
+def task_answers(task: str) -> bool:
+    """Whether a task runs a tiny op now (fails at once when it is down)."""
+    try:
+        with tf.device(f"{task}/device:CPU:0"):
+            tf.identity(tf.constant(0)).numpy()
+        return True
+    except (tf.errors.OpError, ValueError, RuntimeError):
+        return False
+
+
+def classify(error: BaseException, answers: Callable[[str], bool] = task_answers) -> Fault | None:
+    """The task whose loss an error reports, or None for any other error.
+
+    Args:
+        error: what a replica's loop raised.
+        answers: the probe of one task (by default a tiny op on its CPU).
+
+    Returns:
+        The lost ps task if any named ps task does not answer, else the first
+        named worker task that does not answer; with every named task
+        answering, the first named worker (a worker that restarted between
+        two calls answers, but has lost what it held). None when the error is
+        not of a kind that reports an unreachable task, or names none.
+    """
+    if not unreachable(error):
+        return None
+    tasks = [t for t in named_tasks(error) if not t.startswith("/job:chief")]
+    if not tasks:
+        return None
+    down = [t for t in tasks if not answers(t)]
+    for job in ("ps", "worker"):
+        for task in down:
+            if task.startswith(f"/job:{job}/"):
+                return Fault(job, task)
+    workers = [t for t in tasks if t.startswith("/job:worker/")]
+    return Fault("worker", workers[0]) if workers else None
+
+
+def short_message(error: BaseException) -> str:
+    """The first line that says what went wrong, without the runtime's trail."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        root = re.match(r"\(\d+\)\s+[A-Z_]+:\s*(.*)", line)
+        if root and root.group(1):
+            return root.group(1)
+    for line in lines:
+        if not line.startswith(("Graph execution error", "Detected at node", "<stack traces")):
+            return re.sub(r"\s*\[Op:[^\]]*\]", "", line)
+    return type(error).__name__
+
+
+def _with_cause(new: BaseException, cause: BaseException) -> BaseException:
+    new.__cause__ = cause
+    return new
+
+
+def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableError:
+    """The error raised for a lost ps task: what was lost and what to do."""
+    message = (
+        f"The parameter server {fault.task} is unreachable ({short_message(error)}); "
+        "the model's variables on it are lost, and training stopped. Restart that "
+        "ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
+        "callbacks, run the same fit again; otherwise load the last checkpoint "
+        "(model.load_weights or tf.train.Checkpoint) and fit again."
+    )
+    return _with_cause(tf.errors.UnavailableError(None, None, message), error)
+
+
+def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors.UnavailableError:
+    """The error raised once every replica is lost."""
+    message = (
+        f"Every replica is lost: worker task(s) {', '.join(tasks)} are unreachable "
+        f"(last: {short_message(error)}), and no replica is left to train. Restart "
+        "the worker tasks and run fit again (keras.callbacks.BackupAndRestore "
+        "resumes at the epoch it stopped in)."
+    )
+    return _with_cause(tf.errors.UnavailableError(None, None, message), error)
+
+
+def restated(error: BaseException, replica: int, device: str) -> BaseException:
+    """A replica's own error, as raised: its type, short, naming its task.
+
+    An error of TensorFlow's runtime that names a remote task comes back as
+    the same type with its first line, the replica and its task; the
+    runtime's full error is the cause. Other errors are returned as they are.
+    """
+    if not isinstance(error, tf.errors.OpError) or not named_tasks(error):
+        return error
+    task = device.split("/device:")[0]
+    message = f"{short_message(error)} (replica {replica} on {task})"
+    try:
+        new = type(error)(error.node_def, error.op, message)
+    except TypeError:
+        return error
+    return _with_cause(new, error)
+
+
+class Rejoiner:
+    """A thread that brings lost workers back once they serve again.
+
+    Every `PROBE_SECONDS` it asks gRPC whether each lost worker's address
+    accepts a connection (without waiting for it); once one does, it
+    reconnects the cluster with the runtime's own `update_server_def` (which
+    makes a fresh context on a restarted task) and calls `on_back(task)`,
+    which rebuilds that worker's input and restarts its replicas. The thread
+    ends when no worker is lost, or at `stop()`.
+
+    Args:
+        on_back: called with the task name of a worker that serves again.
+        address_of: a task name to its `host:port`.
+    """
+
+    def __init__(self, on_back: Callable[[str], None], address_of: Callable[[str], str | None]):
+        self._on_back = on_back
+        self._address_of = address_of
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._lost: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, task: str | None = None) -> None:
+        """Starts probing a lost worker task (or, with None, those still lost)."""
+        with self._lock:
+            if task is not None:
+                self._lost.add(task)
+            self._stopping = False
+            if self._lost and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(
+                    target=self._run, name="tf_diffmap-rejoin", daemon=True
+                )
+                self._thread.start()
+
+    def lost(self) -> set[str]:
+        with self._lock:
+            return set(self._lost)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return [self._thread] if self._thread is not None and self._thread.is_alive() else []
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping or not self._lost:
+                    self._thread = None
+                    return
+                lost = sorted(self._lost)
+            for task in lost:
+                address = self._address_of(task)
+                if address is None or not serves(address, PROBE_SECONDS / 2):
+                    continue
+                try:
+                    _tf_internal.reconnect_cluster()
+                    self._on_back(task)
+                except Exception as error:  # noqa: BLE001 - tried again at the next probe
+                    logger.warning(
+                        "tf_diffmap: %s serves again but did not rejoin: %s", task, error
+                    )
+                    continue
+                with self._lock:
+                    self._lost.discard(task)
+            with self._lock:
+                if not self._stopping:
+                    self._wake.wait(PROBE_SECONDS)
+
+
+def serves(address: str, timeout: float) -> bool:
+    """Whether a gRPC server accepts a connection at `address` within `timeout`."""
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+def wait_for_tasks(addresses: dict[str, str], timeout: float) -> None:
+    """Waits until every task serves; raises, naming those that do not.
+
+    Args:
+        addresses: task name to `host:port`.
+        timeout: seconds to wait in all.
+
+    Raises:
+        tf.errors.UnavailableError: some tasks did not serve within `timeout`.
+    """
+    deadline = time.monotonic() + timeout
+    waiting = dict(addresses)
+    while True:
+        waiting = {
+            task: address
+            for task, address in waiting.items()
+            if not serves(address, max(0.05, min(1.0, deadline - time.monotonic())))
+        }
+        if not waiting or time.monotonic() >= deadline:
+            break
+    if waiting:
+        named = ", ".join(f"{task} ({address})" for task, address in sorted(waiting.items()))
+        raise tf.errors.UnavailableError(
+            None,
+            None,
+            f"Cluster tasks did not answer within {timeout:g} s: {named}. Start them "
+            "(python -m tf_diffmap.cluster with their TF_CONFIG) and run again, or "
+            "wait longer with connect_timeout=... .",
+        )
+
+
+def _address_of(task: str) -> str | None:
+    return _tf_internal.cluster_addresses().get(task)
+
+
+def _task_of(device: str) -> str:
+    return device.split("/device:")[0]
+
+
+class FaultHandler:
+    """Decides what a replica's error means, and keeps the replicas' record.
+
+    The one place that reads errors of the replicas' loops: each error
+    becomes a verdict, the replica's next state (`workers.ReplicaState`
+    values, by name, so that this room does not depend on the loops):
+
+    - "lost": the replica's own worker task is unreachable;
+    - "running": another task was unreachable during its call (a call
+      cancelled because a worker it exchanged with went down): the replica
+      goes on, what it held goes back on the queue;
+    - "failed": fatal, with the error to raise (a lost ps, every replica
+      lost, or the replica's own error, restated).
+
+    Args:
+        replica_devices: the device of each replica.
+        on_back: `(task, replica_ids) -> None`, called from the rejoiner's
+            thread once a lost worker serves again and the cluster is
+            reconnected: rebuild its input and restart its replicas.
+    """
+
+    def __init__(
+        self,
+        replica_devices: Sequence[str],
+        on_back: Callable[[str, list[int]], None],
+    ):
+        self.replica_devices = list(replica_devices)
+        self.on_cluster = any(d.startswith("/job:") for d in self.replica_devices)
+        self._on_back = on_back
+        self._lock = threading.Lock()
+        self._reports = [
+            ReplicaReport(replica=r, device=d, state="running")
+            for r, d in enumerate(self.replica_devices)
+        ]
+        self._lost: set[int] = set()
+        self._retries: dict[int, list[float]] = {}
+        self.ps_lost: Fault | None = None
+        self.rejoiner = Rejoiner(
+            self._back, lambda task: _tf_internal.cluster_addresses().get(task)
+        )
+
+    def replicas_of(self, task: str) -> list[int]:
+        return [r for r, d in enumerate(self.replica_devices) if _task_of(d) == task]
+
+    def verdict(self, replica_id: int, error: BaseException) -> tuple[str, BaseException | None]:
+        """What a replica's error means: (next state, error to raise or None)."""
+        device = self.replica_devices[replica_id]
+        fault = classify(error) if self.on_cluster else None
+        if fault is None:
+            return "failed", restated(error, replica_id, device)
+        if fault.job == "ps":
+            with self._lock:
+                self.ps_lost = self.ps_lost or fault
+            self.rejoiner.stop(timeout=0)
+            return "failed", lost_ps_error(fault, error)
+        if fault.task != _task_of(device):
+            now = time.monotonic()
+            with self._lock:
+                recent = [t for t in self._retries.get(replica_id, []) if now - t < RETRY_WINDOW]
+                self._retries[replica_id] = [*recent, now]
+            if len(recent) < RETRIES:
+                return "running", None
+            return "failed", restated(error, replica_id, device)
+        lost = self.replicas_of(fault.task)
+        with self._lock:
+            first = not self._lost.issuperset(lost)
+            self._lost.update(lost)
+            for r in lost:
+                report = self._reports[r]
+                if report.state != "lost":
+                    self._reports[r] = dataclasses.replace(
+                        report, state="lost", since=time.time(), error=error, lost=report.lost + 1
+                    )
+            everything = len(self._lost) == len(self.replica_devices)
+            tasks = sorted({_task_of(self.replica_devices[r]) for r in self._lost})
+        if everything:
+            self.rejoiner.stop(timeout=0)
+            return "failed", lost_replicas_error(tasks, error)
+        if first:
+            logger.warning(
+                "tf_diffmap: worker %s is unreachable (%s); its replicas %s are lost and "
+                "training goes on with the others. They rejoin when it serves again.",
+                fault.task,
+                short_message(error),
+                lost,
+            )
+        self.rejoiner.watch(fault.task)
+        return "lost", None
+
+    def _back(self, task: str) -> None:
+        replicas = self.replicas_of(task)
+        self._on_back(task, replicas)
+        with self._lock:
+            self._lost.difference_update(replicas)
+            for r in replicas:
+                self._reports[r] = dataclasses.replace(
+                    self._reports[r], state="running", since=time.time()
+                )
+        logger.warning("tf_diffmap: worker %s serves again; replicas %s rejoined.", task, replicas)
+
+    def lost(self) -> set[int]:
+        with self._lock:
+            return set(self._lost)
+
+    def reports(self) -> list[ReplicaReport]:
+        with self._lock:
+            return list(self._reports)
+
+    def pause(self) -> None:
+        """No probing while nothing trains (the lost workers stay lost)."""
+        self.rejoiner.stop(timeout=2.0)
+
+    def resume(self) -> None:
+        """Probing again for the workers still lost, as training starts."""
+        if self.ps_lost is None:
+            self.rejoiner.watch()
+
+    def stop(self) -> None:
+        self.rejoiner.stop()
