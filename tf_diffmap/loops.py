@@ -39,9 +39,10 @@ class ShardChannel:
             graph back (without holding a thread).
         device: where the queue lives (the host CPU of Keras' graph).
         name: a prefix for the queue's and the counter's names.
-        counter_device: where the in-flight counter lives: beside what the
-            replica steps update anyway (the store's counters), so that
-            counting a shard done is no extra hop for a remote replica.
+        counter_device: where the in-flight counter lives (by default
+            beside the queue, where Keras' graph counts what it puts: that
+            graph then touches no other task, so a lost task is met first by
+            the replicas' loops, whose errors the strategy classifies).
         replicas: how many replicas take from it.
     """
 

@@ -217,7 +217,6 @@ class Program:
             extended.queue_size,
             host,
             name,
-            counter_device=extended._store.host,
             replicas=len(extended.replica_devices),
         )
         _, leaves, positions = self._output_specs()
@@ -298,15 +297,13 @@ class Program:
         flat = self._flat_outputs(outputs)
         with tf.control_dependencies([claims, *flat]):
             with tf.device(store.host):
-                counted = [
-                    store.completed.assign_add(claims - before, read_value=False),
+                counted = [store.completed.assign_add(claims - before, read_value=False)]
+            with tf.device(extended.client_host):
+                latest = [
                     extended.replica_steps_variable.scatter_nd_add(
                         tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
                     ),
-                ]
-            with tf.device(extended.client_host):
-                latest = [
-                    v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)
+                    *(v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)),
                 ]
         done = tf.group([*counted, *latest])
         with tf.control_dependencies([done]):

@@ -89,8 +89,6 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             # Set while a replica's error waits to be raised: the loops drop
             # what they take, and the input pipelines end.
             self.failed = tf.Variable(False, trainable=False, name="replica_failed")
-        with tf.init_scope(), tf.device(self._store.host):
-            # Beside the store's counters, which a replica step updates too.
             self.replica_steps_variable = tf.Variable(
                 tf.zeros([len(replica_devices)], tf.int64),
                 trainable=False,
