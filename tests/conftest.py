@@ -62,3 +62,16 @@ def async_mlp(optimizer="adam", compile_kwargs=None, **strategy_kwargs):
 @pytest.fixture
 def data():
     return classification_data()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """scikit-learn's bundled digits, shuffled: 1,400 to train, the rest to validate."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.data / 16.0).astype("float32")
+    y = data.target.astype("int32")
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order]
+    return x[:1400], y[:1400], x[1400:], y[1400:]

@@ -7,7 +7,6 @@ slowed so that its updates arrive stale.
 import keras
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import tf_diffmap
 
@@ -18,16 +17,6 @@ RULES = {
     "dc": {"staleness": "dc"},
     "drop": {"staleness": "drop", "drop_above": 6},
 }
-
-
-@pytest.fixture(scope="module")
-def digits():
-    data = load_digits()
-    x = (data.data / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
-    return x[:1400], y[:1400], x[1400:], y[1400:]
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -10,7 +10,6 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import tf_diffmap
 from tf_diffmap.momentum import MomentumWatch, momentum_warning
@@ -86,16 +85,6 @@ def test_watch_warns_once_and_reads_statistics_only_when_it_checks():
         watch.watch(sgd_momentum())
         watch.check(read)
         watch.check(read)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    data = load_digits()
-    x = (data.data / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = x[order], y[order]
-    return x[:1400], y[:1400], x[1400:], y[1400:]
 
 
 def train_16_replicas(make_optimizer, digits):
