@@ -26,7 +26,7 @@ from tf_diffmap.workers import ReplicaLoops
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
 
-__all__ = ["Program", "batch_size", "is_empty", "is_tensor", "split_in_graph"]
+__all__ = ["Program", "batch_size", "is_tensor", "split_in_graph"]
 
 
 def batch_size(tensors) -> tf.Tensor | None:
@@ -55,14 +55,6 @@ def split_in_graph(tensors, replicas: int) -> list[list[tf.Tensor]]:
         tf.split(t, sizes, num=replicas) if t.shape.rank != 0 else [t] * replicas for t in tensors
     ]
     return [list(shard) for shard in zip(*pieces)]
-
-
-def is_empty(shard) -> bool:
-    """Whether a shard holds no examples (its first batched tensor is empty)."""
-    for tensor in shard:
-        if tensor.shape.rank:
-            return tensor.shape[0] == 0
-    return False
 
 
 def is_tensor(value) -> bool:
@@ -190,10 +182,6 @@ class Program:
         out_leaves = tf.nest.flatten(outputs)
         positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
         return outputs, out_leaves, positions
-
-    @property
-    def output_structure(self):
-        return self._output_specs()[0]
 
     def _flat_outputs(self, outputs) -> list[tf.Tensor]:
         flat = tf.nest.flatten(outputs)
