@@ -336,11 +336,13 @@ def run_high_staleness(rt, task: dict, seed: int) -> dict[str, Any]:
 def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
     """The cost of `StalenessTensorBoard(update_freq="batch")` on digits.
 
-    Rounds of three `fit`s of `epochs` epochs, in turn: without the callback,
-    with a point at every batch whatever it costs (`max_overhead=None`), and
-    with the default overhead budget. The per-point figure is the callback's
-    own measure (`point_cpu_seconds`: CPU time of its thread from reading the
-    counters to writing the event), which the budget counts.
+    Rounds of four `fit`s of `epochs` epochs, in turn: without the callback,
+    with the graph's counter snapshots switched on but no callback reading
+    them (what each step pays for them), with a point at every batch whatever
+    it costs (`max_overhead=None`), and with the default overhead budget. The
+    per-point figure is the callback's own measure (`point_cpu_seconds`: CPU
+    time from reading the snapshots to writing the events), which the budget
+    counts.
     """
     if not rt.asynchronous:
         raise ValueError("The points task measures StalenessTensorBoard: run it under tf_diffmap.")
@@ -357,14 +359,17 @@ def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
     fit_kwargs = {"batch_size": batch_size, "shuffle": False, "verbose": 0}
     model.fit(x_train, y_train, epochs=1, **fit_kwargs)  # traces the step
     batches = epochs * _steps(x_train, batch_size)
-    seconds: dict[str, list[float]] = {"none": [], "every": [], "budget": []}
+    seconds: dict[str, list[float]] = {"none": [], "snapshots": [], "every": [], "budget": []}
+    snapshots = rt.strategy.extended.snapshots
     point_ms: list[float] = []
     budget_points: list[int] = []
     with tempfile.TemporaryDirectory() as logdir:
         for _ in range(task["rounds"]):
             for kind in seconds:
                 callbacks = []
-                if kind != "none":
+                if kind == "snapshots":
+                    snapshots.start(run_points)
+                elif kind != "none":
                     overhead = None if kind == "every" else 0.02
                     callbacks = [
                         tf_diffmap.StalenessTensorBoard(
@@ -374,6 +379,7 @@ def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
                 start = time.perf_counter()
                 model.fit(x_train, y_train, epochs=epochs, callbacks=callbacks, **fit_kwargs)
                 seconds[kind].append(time.perf_counter() - start)
+                snapshots.stop(run_points)
                 if kind == "every":
                     point_ms += [1000 * c for c in callbacks[0].point_cpu_seconds]
                 elif kind == "budget":
@@ -389,6 +395,7 @@ def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
         "point_cpu_ms_p90": statistics.quantiles(point_ms, n=10)[-1],
         "fit_seconds": fit,
         "fit_seconds_all": seconds,
+        "snapshots_overhead": fit["snapshots"] / fit["none"] - 1,
         "every_point_overhead": fit["every"] / fit["none"] - 1,
         "budget_overhead": fit["budget"] / fit["none"] - 1,
         "budget_points": budget_points,

@@ -263,6 +263,42 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_f
     )
 
 
+def test_every_batch_has_its_point_with_steps_per_execution(tmp_path):
+    # Keras calls batch hooks once per call of its graph, here every 3
+    # batches; the graph's own snapshots still give every batch its point.
+    x, y = classification_data(n=7 * 64)
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, keras.optimizers.SGD(0.05), steps_per_execution=3)
+    hooks = []
+
+    class Hooks(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            hooks.append(batch)
+
+    every, every_other = (
+        tf_diffmap.StalenessTensorBoard(tmp_path / "every", "batch", max_overhead=None),
+        tf_diffmap.StalenessTensorBoard(tmp_path / "two", 2, max_overhead=None),
+    )
+    before = strategy.statistics()
+    model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[every, every_other, Hooks()])
+    after = strategy.statistics()
+    assert len(hooks) < 14, "Keras should call the batch hooks once per call of its graph"
+    for callback, steps in ((every, list(range(1, 15))), (every_other, [2, 4, 6, 8, 10, 12, 14])):
+        series = read_run(callback.run_dir)
+        assert steps_of(series, metadata.VERSION) == steps
+        for r in range(REPLICAS):
+            assert values_of(series, metadata.tag(metadata.UPDATES, r)).sum() == (
+                after.updates[r] - before.updates[r]
+            )
+        assert series[metadata.VERSION][-1][1] == after.version
+        # Each point's version is the store's at its batch: never behind the previous.
+        assert (np.diff(values_of(series, metadata.VERSION)) >= 0).all()
+    # With both callbacks done, the graph takes no more snapshots.
+    assert not strategy.extended.snapshots.on.numpy()
+
+
 def test_rule_series_follow_the_async_optimizer(tmp_path):
     x, y = classification_data(n=512)
     strategy = tf_diffmap.Strategy()

@@ -1,15 +1,16 @@
 """`tf_diffmap.StalenessTensorBoard`: staleness in TensorBoard, from `model.fit`.
 
 The callback decides *when* to write: each point covers the updates between
-two snapshots of the strategy's counters (`Strategy.statistics()`, which reads
-a few counters and never waits for the replicas). *What* is written, and how,
-is in `tf_diffmap/tensorboard_plugin/summary.py`.
+two snapshots of the strategy's counters. *What* is written, and how, is in
+`tf_diffmap/tensorboard_plugin/summary.py`.
 
-Batch-level points are taken by a thread of the callback's own, not in
-Keras' training loop: measured on a busy 2-core host, reading the counters
-from the training loop while the replicas ran took about 2 to 4 ms (the
-read waits for the interpreter lock and a CPU the replicas hold), and that
-delay held back the next batch's dispatch.
+Epoch points read the counters (`Strategy.statistics()`) at the epoch's end.
+Batch-level points come from snapshots that Keras' graph itself takes at the
+end of each step (`tf_diffmap/snapshots.py`), which a thread of the
+callback's own reads in bulk and writes: the training loop only counts
+batches. Measured on a busy 2-core host, reading the counters from Python at
+each batch while the replicas ran took 0.2 to 0.4 ms of CPU (eager ops that
+wait for the interpreter lock and a CPU the replicas hold).
 """
 
 from __future__ import annotations
@@ -137,20 +138,22 @@ class StalenessTensorBoard(keras.callbacks.Callback):
       one chart, and the data of the "Staleness" tab that tf_diffmap adds to
       TensorBoard.
 
-    Points are written from the strategy's counters only, which it reads
-    without waiting for the replicas. Batch-level points are read and written
-    by a thread of the callback's own (the training loop only hands it a step
-    number). A point costs a fraction of a millisecond of CPU
-    (`point_cpu_seconds` has the figures of the latest `fit`); as a safety
-    net, the points of a `fit` are kept from costing more than `max_overhead`
-    of its training time: when steps are so short that a point every
-    `update_freq` batches would cost more, a point covers more batches, and
-    the callback logs a warning the first time it does so. An epoch's point is
-    written after the epoch's updates have all landed (as Keras' epoch-end
-    metrics wait for them anyway); with `update_freq="batch"` or `N`, the
-    point of an epoch's last batch waits for the epoch's end too, and the
-    updates still in flight at another point count in the next one, so that
-    the points add up to every update.
+    Points are written from the strategy's counters only, read without
+    waiting for the replicas. For batch-level points, Keras' graph copies the
+    counters at the end of every `update_freq`-th step (a few native ops, so
+    that every batch can have its point, with `steps_per_execution` too), and
+    a thread of the callback's own reads the copies in bulk and writes the
+    points; the training loop only counts batches. A point costs a few
+    hundredths of a millisecond of CPU (`point_cpu_seconds` has the figures
+    of the latest `fit`); as a safety net, the points of a `fit` are kept from
+    costing more than `max_overhead` of its training time: when steps are so
+    short that a point every `update_freq` batches would cost more, a point
+    covers more batches, and the callback logs a warning the first time it
+    does so. An epoch's point is written after the epoch's updates have all
+    landed (as Keras' epoch-end metrics wait for them anyway); with
+    `update_freq="batch"` or `N`, the point of an epoch's last batch waits
+    for the epoch's end too, and the updates still in flight at another point
+    count in the next one, so that the points add up to every update.
 
     Args:
         log_dir: the log directory, shared with `keras.callbacks.TensorBoard`
@@ -221,11 +224,23 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._point_error: BaseException | None = None
         self._totals = None
         self._snapshot: StalenessStats | None = None
+        # Batches since the callback's first training; at this fit's start
+        # (the steps of the graph's snapshots count from there) and at this
+        # epoch's start.
         self._batches = 0
-        self._deferred = False
+        self._fit_start_batch = 0
+        self._epoch_start_batch = 0
+        self._steps_per_epoch: int | None = None
+        self._last_point = -1  # the step of the latest point written
+        self._ring_start = 0  # the snapshot of this fit's first batch
+        self._ring_index = 0  # the next snapshot to read
+        self._read_batch = 0  # batches at the latest request to read
+        self._read_time = 0.0
         self._training = False
+        # Wall-clock time: where the current interval began, and validation
+        # runs (not training time) as (start, end).
         self._interval_start = 0.0
-        self._paused = 0.0
+        self._pauses: list[tuple[float, float]] = []
         self._test_start: float | None = None
 
     @property
@@ -271,8 +286,15 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._train_start = time.perf_counter()
         self._validation = 0.0
         self._training = True
-        self._deferred = False
+        self._pauses = []
         self._start_interval()
+        if self._every is not None:
+            steps = self.params.get("steps") if self.params else None
+            self._steps_per_epoch = steps
+            self._fit_start_batch = self._epoch_start_batch = self._batches
+            self._read_batch = self._batches
+            self._read_time = time.monotonic()
+            self._ring_start = self._ring_index = strategy.extended.snapshots.start(self)
 
     def on_train_end(self, logs=None):
         if self._writer is None:
@@ -280,10 +302,13 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         try:
             if self._every is not None:
                 self._wait_for_points()
+                strategy = self._strategy()
+                strategy.extended.snapshots.stop(self)
+                self._write_snapshots(strategy)
+                self._count_batches()
                 # Whatever landed after the last point (at most the batches
                 # after the last multiple of N): training is over, so draining
                 # costs nothing here.
-                strategy = self._strategy()
                 strategy.drain()
                 now = strategy.statistics()
                 if _interval(now, self._snapshot).histogram.any():
@@ -294,6 +319,8 @@ class StalenessTensorBoard(keras.callbacks.Callback):
 
     def _close(self) -> None:
         self._points.wait()
+        if self._every is not None and self._training:
+            self._strategy().extended.snapshots.stop(self)
         if self._writer is None:
             return
         self._totals = self._writer.totals
@@ -304,43 +331,61 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self._every is None:
             self._start_interval()
+        else:
+            self._epoch_start_batch = self._batches
 
     def on_epoch_end(self, epoch, logs=None):
         if self._writer is None:
             return
         self._wait_for_points()
-        if self._every is None or self._deferred:
+        strategy = self._strategy()
+        if self._every is not None:
+            self._write_snapshots(strategy)
+            self._count_batches()
+        if self._every is None or (self._due(self._batches) and self._last_point != self._batches):
             # Keras has read the epoch's metrics, which waits for every update
             # in flight; draining again is free and makes the point complete
             # whatever the model's metrics are.
-            strategy = self._strategy()
             strategy.drain()
             self._write(epoch if self._every is None else self._batches, strategy.statistics())
-            self._deferred = False
         self._writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._every is None or self._writer is None:
             return
-        self._batches += 1
-        if self._batches % self._every:
-            return
-        steps = self.params.get("steps") if self.params else None
-        if steps is not None and batch + 1 >= steps:
-            self._deferred = True  # the epoch's last batch: written at the epoch's end
-            return
-        self._raise_point_error()
-        if self._over_budget():
-            self._log_coarsening()
-            return  # these batches count in the next point
-        self._points.submit(self._take_point, self._strategy(), self._batches)
+        # Keras numbers the batches of an epoch from 0, and with
+        # `steps_per_execution` calls this at the last batch of each call
+        # (a count that the epoch's end corrects from the graph's own).
+        self._batches = self._epoch_start_batch + batch + 1
+        # Reads are asked for often enough that the ring of snapshots never
+        # laps the reader, and at least every second.
+        due = self._batches - self._read_batch >= self._read_every()
+        if due or time.monotonic() - self._read_time >= 1.0:
+            self._raise_point_error()
+            self._read_batch, self._read_time = self._batches, time.monotonic()
+            self._points.submit(self._write_snapshots, self._strategy())
+
+    def _count_batches(self) -> None:
+        """The batches seen, from the graph's own count of its steps (Keras'
+        batch numbers run past an epoch's end with `steps_per_execution`)."""
+        self._batches = self._fit_start_batch + self._ring_index - self._ring_start
+
+    def _read_every(self) -> int:
+        return max(1, self._strategy().extended.snapshots.capacity // 4)
+
+    def _due(self, step: int) -> bool:
+        """Whether batch `step` (counted since the first training) has a point."""
+        return (step - self._fit_start_batch) % self._every == 0
 
     @property
     def point_cpu_seconds(self) -> tuple[float, ...]:
         """CPU seconds of each batch-level point of the latest `fit`.
 
-        Measured in the callback's thread, from reading the strategy's
-        counters to writing the event: what `max_overhead` budgets.
+        Measured where the points are written, from reading the snapshots
+        to writing the events, a bulk read shared by the points it brought:
+        what `max_overhead` budgets. The points of the epochs' last batches,
+        written from the counters after the epoch's updates have landed, are
+        not among them.
         """
         return tuple(self._point_cpu)
 
@@ -352,24 +397,21 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             return False
         return self._spent > self.max_overhead * self._training_seconds()
 
-    def _log_coarsening(self) -> None:
+    def _log_coarsening(self, reason: str, advice: str) -> None:
         if self._coarsened:
             return
         self._coarsened = True
         points = self._point_cpu
-        per_point = 1000 * sum(points) / len(points) if points else float("nan")
-        per_batch = 1000 * self._training_seconds() / max(self._batches, 1)
+        per_point = f"{1000 * sum(points) / len(points):.3f} ms" if points else "unmeasured"
+        batches = max(self._batches - self._fit_start_batch, 1)
         _logger.warning(
-            "StalenessTensorBoard(update_freq=%r): a point every %d batch(es) would cost "
-            "more than max_overhead=%g of the training time (a point has taken %.2f ms "
-            "of CPU, a batch %.1f ms), so some points now cover more batches. Pass a "
-            "larger max_overhead, or max_overhead=None for every point whatever it "
-            "costs. (Logged once.)",
+            "StalenessTensorBoard(update_freq=%r): %s, so some points now cover more "
+            "batches (CPU per point: %s; time per batch: %.2f ms). %s (Logged once.)",
             self.update_freq,
-            self._every,
-            self.max_overhead,
+            reason,
             per_point,
-            per_batch,
+            1000 * self._training_seconds() / batches,
+            advice,
         )
 
     # -- validation inside fit: not training time -------------------------
@@ -378,28 +420,58 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         if self._training:
             self._wait_for_points()  # so that only this thread keeps the clock now
             self._test_start = time.perf_counter()
+            self._test_wall = time.time()
 
     def on_test_end(self, logs=None):
         if self._training and self._test_start is not None:
-            seconds = time.perf_counter() - self._test_start
-            self._paused += seconds
-            self._validation += seconds
+            self._validation += time.perf_counter() - self._test_start
+            self._pauses.append((self._test_wall, time.time()))
             self._test_start = None
 
     # -- writing ----------------------------------------------------------
 
-    def _take_point(self, strategy: Strategy, step: int) -> None:
-        """In the callback's thread: a batch-level point, read now."""
+    def _write_snapshots(self, strategy: Strategy) -> None:
+        """Writes the points of the snapshots Keras' graph has taken since the
+        last read (in the callback's thread, or at an epoch's end)."""
         try:
-            if self._over_budget():
-                return  # requested before the previous points used up the budget
             cpu = time.thread_time()
-            self._write(step, strategy.statistics())
-            cost = time.thread_time() - cpu
-            self._point_cpu.append(cost)
-            self._spent += cost
+            read = strategy.extended.snapshots.read(self._ring_index)
+            self._ring_index = read.next_index
+            if read.lost:
+                self._log_coarsening(
+                    f"{read.lost} snapshot(s) of the counters were overwritten before "
+                    "the callback's thread read them",
+                    "The host was too busy to run that thread.",
+                )
+            shared = time.thread_time() - cpu  # counted with the points it brought
+            written: list[float] = []
+            for k in range(len(read)):
+                # The ring takes a snapshot at each step while this reads it.
+                step = self._fit_start_batch + int(read.indices[k]) - self._ring_start + 1
+                if not self._due(step) or self._epoch_last(step):
+                    continue  # an epoch's last is written at its end, once its updates landed
+                if self._over_budget():
+                    self._log_coarsening(
+                        f"a point every {self._every} batch(es) would cost more than "
+                        f"max_overhead={self.max_overhead:g} of the training time",
+                        "Pass a larger max_overhead, or max_overhead=None for every "
+                        "point whatever it costs.",
+                    )
+                    continue  # its batches count in the next point
+                start = time.thread_time()
+                self._write(step, read.stats(k, self._snapshot), at=float(read.times[k]))
+                cost = time.thread_time() - start
+                self._spent += cost
+                written.append(cost)
+            self._spent += shared
+            self._point_cpu += [cost + shared / len(written) for cost in written]
         except BaseException as error:  # raised in the training thread, next batch
             self._point_error = self._point_error or error
+
+    def _epoch_last(self, step: int) -> bool:
+        """Whether `step` is the last batch of an epoch of this fit."""
+        steps = self._steps_per_epoch
+        return steps is not None and (step - self._fit_start_batch) % steps == 0
 
     def _raise_point_error(self) -> None:
         if self._point_error is not None:
@@ -414,11 +486,17 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._raise_point_error()
 
     def _start_interval(self) -> None:
-        self._interval_start = time.perf_counter()
-        self._paused = 0.0
+        self._interval_start = time.time()
 
-    def _write(self, step: int, now: StalenessStats) -> None:
-        seconds = time.perf_counter() - self._interval_start - self._paused
+    def _write(self, step: int, now: StalenessStats, at: float | None = None) -> None:
+        """Writes the point of the interval from the previous one to `now`,
+        taken at wall-clock time `at` (now by default)."""
+        at = time.time() if at is None else at
+        paused = sum(
+            max(0.0, min(end, at) - max(start, self._interval_start)) for start, end in self._pauses
+        )
+        seconds = max(at - self._interval_start - paused, 0.0)
         self._writer.write(step, _interval(now, self._snapshot), now.version, seconds)
         self._snapshot = now
-        self._start_interval()
+        self._last_point = step
+        self._interval_start = at

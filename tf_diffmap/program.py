@@ -353,15 +353,18 @@ class Program:
             )
             with tf.control_dependencies([started]):
                 flat = self._dispatch_in_graph(shards)
-            return self._one_replica_outputs(flat[:-1])
-        flat = tf.cond(
-            self.fresh.read_value(),
-            lambda: self._dispatch_in_graph(shards),
-            lambda: self._first_step_in_graph(shards),
-        )
+        else:
+            flat = tf.cond(
+                self.fresh.read_value(),
+                lambda: self._dispatch_in_graph(shards),
+                lambda: self._first_step_in_graph(shards),
+            )
         # Both ways end with a flag, so that a step without tensor outputs
-        # still runs them.
-        return self._one_replica_outputs(flat[:-1])
+        # still runs them; a counter snapshot, when one is due, follows.
+        recorded = self.extended.snapshots.record_in_graph(flat)
+        with tf.control_dependencies([recorded]):
+            flat = [tf.identity(t) for t in flat[:-1]]
+        return self._one_replica_outputs(flat)
 
     def _one_replica_outputs(self, flat):
         """One replica step's outputs, marked as such for `strategy.reduce`."""

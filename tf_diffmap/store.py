@@ -18,7 +18,7 @@ import tensorflow as tf
 from tf_diffmap import _tf_internal
 from tf_diffmap.staleness import StalenessStats
 
-__all__ = ["ParameterStore", "outside_scope_message"]
+__all__ = ["ParameterStore", "counters_as_stats", "outside_scope_message"]
 
 _VERSION_LIMIT = np.iinfo(np.int64).max
 # Columns of `ParameterStore.counters`.
@@ -33,6 +33,27 @@ def _read(variable: tf.Variable) -> np.ndarray:
     counters, and this read takes about a third of the time.
     """
     return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()
+
+
+def counters_as_stats(
+    version: int,
+    counters: np.ndarray,
+    staleness_max: np.ndarray,
+    lr_scale_sum: np.ndarray | None,
+    abandoned: int,
+) -> StalenessStats:
+    """`StalenessStats` from a value of `ParameterStore.counters` (views, no copy)."""
+    return StalenessStats(
+        version=version,
+        updates=counters[:, _UPDATES],
+        dropped=counters[:, _DROPPED],
+        examples=counters[:, _EXAMPLES],
+        staleness_sum=counters[:, _STALENESS_SUM],
+        histogram=counters[:, _HISTOGRAM:],
+        staleness_max=staleness_max,
+        lr_scale_sum=lr_scale_sum,
+        abandoned=abandoned,
+    )
 
 
 def outside_scope_message(variable, in_store: bool) -> str:
@@ -281,13 +302,9 @@ class ParameterStore:
     def statistics(self) -> StalenessStats:
         """A snapshot of the counters (does not wait for updates in flight)."""
         counters = _read(self.counters)
-        return StalenessStats(
-            version=int(_read(self.version)),
-            updates=counters[:, _UPDATES],
-            dropped=counters[:, _DROPPED],
-            examples=counters[:, _EXAMPLES],
-            staleness_sum=counters[:, _STALENESS_SUM],
-            histogram=counters[:, _HISTOGRAM:],
+        return counters_as_stats(
+            int(_read(self.version)),
+            counters,
             staleness_max=_read(self.staleness_max),
             lr_scale_sum=_read(self.lr_scale_sum),
             abandoned=self.abandoned,

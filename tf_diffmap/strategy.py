@@ -46,6 +46,7 @@ from tf_diffmap.devices import (
 )
 from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.program import Program, batch_size, is_tensor
+from tf_diffmap.snapshots import CounterSnapshots
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
 from tf_diffmap.store import ParameterStore, outside_scope_message
@@ -94,6 +95,9 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 trainable=False,
                 name="replica_steps",
             )
+        # Counter snapshots that Keras' graph takes while a batch-level
+        # `StalenessTensorBoard` asks for them.
+        self.snapshots = CounterSnapshots(self._store, self.client_host)
         self._programs: dict[Any, Program] = {}
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -148,6 +152,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         with self._error_lock:
             error, self._error = self._error, None
         self.failed.assign(False)
+        if error is not None:
+            self.snapshots.stop()  # the fit fails: its callbacks read no more
         if error is not None:
             raise error
 
