@@ -299,6 +299,46 @@ def test_every_batch_has_its_point_with_steps_per_execution(tmp_path):
     assert not strategy.extended.snapshots.on.numpy()
 
 
+def test_lost_replicas_are_marked_from_the_first_loss(tmp_path):
+    # Replica 1's worker is "lost" during epoch 1 and back in epoch 2: the
+    # strategy's own record of it, as a cluster's fault handler keeps it.
+    from tf_diffmap.faults import ReplicaReport
+
+    x, y = classification_data(n=256)
+    strategy, model = slowed_model(seconds=0.0)
+    states = {"state": "running", "since": None, "lost": 0}
+
+    def replica_states():
+        return [
+            ReplicaReport(r, d, **(states if r == 1 else {"state": "running"}))
+            for r, d in enumerate(strategy.replica_devices)
+        ]
+
+    strategy.replica_states = replica_states
+
+    class Faults(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                states.update(state="lost", since=time.time(), lost=1)
+            elif epoch == 2:
+                states.update(state="running", since=time.time())
+
+    model.fit(
+        x,
+        y,
+        batch_size=64,
+        epochs=3,
+        verbose=0,
+        callbacks=[Faults(), tf_diffmap.StalenessTensorBoard(tmp_path)],
+    )
+    series = read_run(tmp_path / metadata.RUN_NAME)
+    # Nothing before the first loss; then 1 while lost, 0 once back.
+    assert steps_of(series, metadata.tag(metadata.LOST, 1)) == [1, 2]
+    assert values_of(series, metadata.tag(metadata.LOST, 1)).tolist() == [1.0, 0.0]
+    assert values_of(series, metadata.tag(metadata.LOST, 0)).tolist() == [0.0, 0.0]
+    assert values_of(series, metadata.tag(metadata.LOST, None)).tolist() == [1.0, 0.0]
+
+
 def test_rule_series_follow_the_async_optimizer(tmp_path):
     x, y = classification_data(n=512)
     strategy = tf_diffmap.Strategy()

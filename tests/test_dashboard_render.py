@@ -150,6 +150,24 @@ def test_tab_reads_for_one_to_sixteen_replicas(served, run, replicas):
     assert re.search(r'<canvas class="heatmap"[^>]*data-cells="[1-9]', dom)
 
 
+def test_tab_names_the_replicas_lost(served):
+    _, server = served
+    run = "lost/staleness"
+    result = run_chromium(server.url + f"data/plugin/staleness/index.html?run={run}", "--dump-dom")
+    dom = result.stdout
+    assert f'<option value="{run}" selected="">' in dom, result.stderr[-2000:]
+    card = re.search(
+        r'<div class="card warn"><div class="label">Replicas lost</div>'
+        r'<div class="value">(\d+)</div><div class="detail"[^>]*>([^<]*)</div>',
+        dom,
+    )
+    assert card, "no card of the lost replicas"
+    assert card.group(1) == "1" and card.group(2).startswith("now: replica 2 ")
+    legend = re.findall(r'<span class="swatch"[^>]*></span>([^<]*)<', dom)
+    assert "replica 2 · lost" in legend and "replica 1" in legend
+    assert '<option value="work/lost"' in dom  # the line chart offers the series
+
+
 def test_tab_inside_tensorboard_screenshot(served, tmp_path):
     _, server = served
     png = tmp_path / "staleness_tab.png"

@@ -183,6 +183,38 @@ def _slowed_model(strategy: tf_diffmap.Strategy, seconds: float) -> keras.Model:
 OTHER_RUNS = {"one": {"devices": ["CPU:0"]}, "sixteen": {"replicas_per_device": 4}}
 
 
+LOST_AT = {1: [False, True, False, False], 2: [False, False, True, True]}
+"""The `lost` run: replica -> lost at points 1 to 4 (replica 1 came back)."""
+
+
+def write_lost_run(logdir: Path, replicas: int = 4) -> None:
+    """A run of a cluster whose replicas 1 and 2 were lost (replica 2 still is)."""
+    from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
+
+    devices = tuple(f"/job:worker/replica:0/task:{r}/device:CPU:0" for r in range(replicas))
+    info = metadata.RunInfo(replicas, devices, 8, "batch")
+    writer = StalenessSummaryWriter(logdir / metadata.RUN_NAME, info, rules=False, faults=True)
+    for point in range(4):
+        lost = np.array([LOST_AT.get(r, [False] * 4)[point] for r in range(replicas)])
+        histogram = np.zeros((replicas, 8), np.int64)
+        histogram[~lost, 1] = 3
+        writer.write(
+            point + 1,
+            tf_diffmap.StalenessStats(
+                version=(point + 1) * 12,
+                updates=histogram.sum(axis=1),
+                dropped=np.zeros(replicas, np.int64),
+                staleness_sum=histogram.sum(axis=1),
+                staleness_max=np.ones(replicas, np.int64),
+                histogram=histogram,
+            ),
+            version=(point + 1) * 12,
+            seconds=0.5,
+            lost=lost,
+        )
+    writer.close()
+
+
 def train_logs(logdir: Path, epochs: int = 4, steps_per_epoch: int = 12, others: bool = True):
     """A short run with a slow replica 0, logged by Keras' TensorBoard and ours.
 
@@ -201,6 +233,7 @@ def train_logs(logdir: Path, epochs: int = 4, steps_per_epoch: int = 12, others:
                 logdir / name, update_freq="batch", max_overhead=None
             )
             model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[callback])
+        write_lost_run(logdir / "lost")
     x, y = classification_data(n=steps_per_epoch * 64)
     strategy = tf_diffmap.Strategy()
     model = _slowed_model(strategy, seconds=0.015)
@@ -323,10 +356,41 @@ def test_data_functions_read_what_the_writer_wrote(tmp_path):
         "counts": [[3, 1], [1, 1, 0, 2]],
         "overflow": bins - 1,
     }
+    assert metadata.LOST not in body["series"], "no replica was lost: no series"
     with pytest.raises(errors.NotFoundError, match="runs with staleness data"):
         data.run_series(provider, ctx, "", "elsewhere", downsample=10)
     with pytest.raises(errors.InvalidArgumentError, match="0 to 1"):
         data.heatmap(provider, ctx, "", run, 2, downsample=10)
+
+
+def test_lost_replicas_are_a_series_of_their_own(tmp_path):
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider as multiplexer_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+
+    from tf_diffmap.tensorboard_plugin import data
+
+    write_lost_run(tmp_path / "lost")
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    provider = multiplexer_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
+    body = data.run_series(provider, context.RequestContext(), "", "lost/staleness", 1000)
+    lost = body["series"][metadata.LOST]
+    for replica in range(4):
+        expected = [float(v) for v in LOST_AT.get(replica, [False] * 4)]
+        assert lost[str(replica)] == [[step, v] for step, v in zip(range(1, 5), expected)]
+    assert lost[metadata.ALL] == [[1, 0.0], [2, 1.0], [3, 1.0], [4, 1.0]]
+    # A cluster's layout has a chart of them in Custom Scalars.
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from tf_diffmap.tensorboard_plugin.summary import scalars_layout
+
+    def titles(layout: layout_pb2.Layout) -> list[str]:
+        return [chart.title for chart in layout.category[0].chart]
+
+    assert any("lost" in t for t in titles(scalars_layout(rules=False, faults=True)))
+    assert not any("lost" in t for t in titles(scalars_layout(rules=False)))
 
 
 # -- the HTTP API ---------------------------------------------------------------
@@ -379,7 +443,7 @@ def test_custom_scalars_layout_puts_replicas_in_one_chart(served):
 def test_runs_and_series_match_the_strategy(served):
     trained, server = served
     runs = {r["run"]: r for r in server.get_json("data/plugin/staleness/runs")["runs"]}
-    assert set(runs) == {metadata.RUN_NAME, "one/staleness", "sixteen/staleness"}
+    assert set(runs) == {metadata.RUN_NAME, "one/staleness", "sixteen/staleness", "lost/staleness"}
     assert [runs[n]["num_replicas"] for n in ("one/staleness", "sixteen/staleness")] == [1, 16]
     run = runs[metadata.RUN_NAME]
     assert run["num_replicas"] == REPLICAS and run["step_unit"] == "batch"

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import keras
+import numpy as np
 
 from tf_diffmap.optimizer import AsyncOptimizer
 from tf_diffmap.staleness import StalenessStats
@@ -242,6 +243,9 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._interval_start = 0.0
         self._pauses: list[tuple[float, float]] = []
         self._test_start: float | None = None
+        # Per replica, how often it had been lost at the latest point.
+        self._lost_counts: np.ndarray | None = None
+        self._replica_states: list = []
 
     @property
     def run_dir(self) -> str:
@@ -277,7 +281,11 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         if self._totals is not None and self._totals.shape[0] != run_info.num_replicas:
             self._totals = None
         self._writer = StalenessSummaryWriter(
-            self.run_dir, run_info, rules=rule is not None, totals=self._totals
+            self.run_dir,
+            run_info,
+            rules=rule is not None,
+            totals=self._totals,
+            faults=strategy.extended.worker_hosts is not None,
         )
         self._writer.write_layout()
         self._point_error = None
@@ -437,6 +445,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             cpu = time.thread_time()
             read = strategy.extended.snapshots.read(self._ring_index)
             self._ring_index = read.next_index
+            self._replica_states = strategy.replica_states()
             if read.lost:
                 self._log_coarsening(
                     f"{read.lost} snapshot(s) of the counters were overwritten before "
@@ -468,6 +477,32 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         except BaseException as error:  # raised in the training thread, next batch
             self._point_error = self._point_error or error
 
+    def _lost_at(self, at: float) -> np.ndarray | None:
+        """Per replica, whether it was lost at time `at` or since the
+        previous point; None until a replica has been lost.
+
+        From the replicas' states when the points are written (at most a
+        second after a batch-level point's batch): a replica that is lost,
+        or rejoining, since a time before `at`, or that has been lost more
+        often than at the previous point.
+        """
+        reports = self._replica_states
+        counts = np.array([report.lost for report in reports], np.int64)
+        if self._lost_counts is None or len(self._lost_counts) != len(counts):
+            self._lost_counts = np.zeros_like(counts)
+        if not counts.any():
+            return None
+        lost = np.array(
+            [
+                report.state in ("lost", "rejoining")
+                and (report.since is None or report.since <= at)
+                for report in reports
+            ]
+        )
+        lost |= counts > self._lost_counts
+        self._lost_counts = counts
+        return lost
+
     def _epoch_last(self, step: int) -> bool:
         """Whether `step` is the last batch of an epoch of this fit."""
         steps = self._steps_per_epoch
@@ -491,12 +526,16 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def _write(self, step: int, now: StalenessStats, at: float | None = None) -> None:
         """Writes the point of the interval from the previous one to `now`,
         taken at wall-clock time `at` (now by default)."""
-        at = time.time() if at is None else at
+        if at is None:
+            at = time.time()
+            self._replica_states = self._strategy().replica_states()
         paused = sum(
             max(0.0, min(end, at) - max(start, self._interval_start)) for start, end in self._pauses
         )
         seconds = max(at - self._interval_start - paused, 0.0)
-        self._writer.write(step, _interval(now, self._snapshot), now.version, seconds)
+        self._writer.write(
+            step, _interval(now, self._snapshot), now.version, seconds, self._lost_at(at)
+        )
         self._snapshot = now
         self._last_point = step
         self._interval_start = at

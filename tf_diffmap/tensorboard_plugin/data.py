@@ -29,6 +29,7 @@ SCALAR_SERIES = (
     metadata.UPDATES,
     metadata.SHARE,
     metadata.EXAMPLES_PER_SECOND,
+    metadata.LOST,
     metadata.DROPPED,
     metadata.LR_SCALE,
 )

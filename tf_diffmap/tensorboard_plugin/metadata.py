@@ -9,6 +9,7 @@ directory), with one tag per replica and series:
     staleness/max/replica_0      staleness/max/all        (scalars)
     staleness/distribution/...                            (histograms)
     work/updates/...  work/share/replica_0  work/examples_per_second/...
+    work/lost/...                         (from the first point after a replica was lost)
     store/version
     rule/dropped/...  rule/lr_scale/...   (only when an AsyncOptimizer rule is active)
     staleness/totals                      (this plugin's own tensor)
@@ -38,6 +39,7 @@ __all__ = [
     "UPDATES",
     "SHARE",
     "EXAMPLES_PER_SECOND",
+    "LOST",
     "VERSION",
     "DROPPED",
     "LR_SCALE",
@@ -66,6 +68,10 @@ DISTRIBUTION = "staleness/distribution"
 UPDATES = "work/updates"
 SHARE = "work/share"
 EXAMPLES_PER_SECOND = "work/examples_per_second"
+LOST = "work/lost"
+"""Per replica, 1 at a point where the replica was lost (its worker task
+unreachable, or rejoining) and 0 otherwise; for all replicas, how many were.
+Written from the first point after a replica of the run was lost."""
 VERSION = "store/version"
 DROPPED = "rule/dropped"
 LR_SCALE = "rule/lr_scale"

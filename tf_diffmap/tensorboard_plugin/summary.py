@@ -137,7 +137,7 @@ def interval_figures(interval: StalenessStats, version: int, seconds: float) -> 
     )
 
 
-def scalars_layout(rules: bool) -> layout_pb2.Layout:
+def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
     """The custom-scalars layout: every replica's line of a series in one chart.
 
     TensorBoard merges the layouts of all runs, dropping charts that are the
@@ -145,6 +145,7 @@ def scalars_layout(rules: bool) -> layout_pb2.Layout:
 
     Args:
         rules: add the charts of an active AsyncOptimizer rule.
+        faults: add the chart of lost replicas (training on a cluster).
 
     Returns:
         A `layout_pb2.Layout` with one category, `metadata.LAYOUT_CATEGORY`.
@@ -168,6 +169,8 @@ def scalars_layout(rules: bool) -> layout_pb2.Layout:
             multiline=layout_pb2.MultilineChartContent(tag=[rf"^{metadata.VERSION}$"]),
         ),
     ]
+    if faults:
+        charts.append(chart("Replicas lost (1 while lost)", metadata.LOST))
     if rules:
         charts += [
             chart("Dropped updates per replica", metadata.DROPPED),
@@ -188,6 +191,8 @@ _DESCRIPTIONS = {
     metadata.SHARE: "This replica's fraction of the updates computed in the interval "
     "(applied or dropped).",
     metadata.EXAMPLES_PER_SECOND: "Examples per second of training time in the interval.",
+    metadata.LOST: "1 where the replica was lost (its worker unreachable, or rejoining), "
+    "else 0; for all replicas, how many were.",
     metadata.VERSION: "Updates the parameter store has applied since it was created.",
     metadata.DROPPED: "Updates computed but not applied (staler than drop_above).",
     metadata.LR_SCALE: "Mean factor the staleness rule applied to the learning rate.",
@@ -280,6 +285,7 @@ class _Row:
     examples_per_second: _Series
     dropped: _Series | None
     lr_scale: _Series | None
+    lost: _Series
 
 
 class StalenessSummaryWriter:
@@ -291,6 +297,8 @@ class StalenessSummaryWriter:
         rules: also write the dropped updates and the learning-rate scale.
         totals: running totals to continue from (`[replicas, len(TOTALS_COLUMNS)]`),
             e.g. those of an earlier writer of the same run; zeros by default.
+        faults: the run trains on a cluster, where replicas may be lost: the
+            layout gets a chart of them.
 
     Raises:
         ValueError: `totals` of the wrong shape.
@@ -302,9 +310,11 @@ class StalenessSummaryWriter:
         run_info: metadata.RunInfo,
         rules: bool,
         totals: np.ndarray | None = None,
+        faults: bool = False,
     ):
         self.run_info = run_info
         self.rules = rules
+        self.faults = faults
         shape = (run_info.num_replicas, len(metadata.TOTALS_COLUMNS))
         self.totals = np.zeros(shape) if totals is None else np.array(totals, np.float64)
         if self.totals.shape != shape:
@@ -322,6 +332,7 @@ class StalenessSummaryWriter:
                 examples_per_second=self._get(metadata.EXAMPLES_PER_SECOND, r),
                 dropped=self._get(metadata.DROPPED, r) if rules else None,
                 lr_scale=self._get(metadata.LR_SCALE, r) if rules else None,
+                lost=self._get(metadata.LOST, r),
             )
             for r in [*range(run_info.num_replicas), None]
         ]
@@ -361,7 +372,11 @@ class StalenessSummaryWriter:
         return found
 
     def point(
-        self, interval: StalenessStats, version: int, seconds: float
+        self,
+        interval: StalenessStats,
+        version: int,
+        seconds: float,
+        lost: np.ndarray | None = None,
     ) -> list[summary_pb2.Summary.Value]:
         """The values of one point (and adds its counts to the totals).
 
@@ -369,6 +384,8 @@ class StalenessSummaryWriter:
             interval: the counts since the previous point.
             version: the store version now.
             seconds: the training time since the previous point.
+            lost: per replica, whether it was lost at this point; None
+                writes no `metadata.LOST` values.
 
         Returns:
             The `Summary.Value`s to write, in an order that keeps each
@@ -408,6 +425,8 @@ class StalenessSummaryWriter:
                 add(row.dropped.scalar(dropped[i]))
                 if updates[i] > 0:
                     add(row.lr_scale.scalar(lr_scale[i]))
+            if lost is not None:
+                add(row.lost.scalar(float(lost[i]) if i < len(lost) else float(np.sum(lost))))
         add(self._version.scalar(version))
         add(self._totals.matrix(totals))
         return values
@@ -416,7 +435,7 @@ class StalenessSummaryWriter:
 
     def write_layout(self) -> None:
         """Writes the custom-scalars layout (once per writer is enough)."""
-        layout = scalars_layout(self.rules)
+        layout = scalars_layout(self.rules, self.faults)
         value = summary_pb2.Summary.Value(
             tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
             metadata=custom_scalar_metadata.create_summary_metadata(),
@@ -428,7 +447,14 @@ class StalenessSummaryWriter:
         )
         self._file.write([value], step=0)
 
-    def write(self, step: int, interval: StalenessStats, version: int, seconds: float) -> None:
+    def write(
+        self,
+        step: int,
+        interval: StalenessStats,
+        version: int,
+        seconds: float,
+        lost: np.ndarray | None = None,
+    ) -> None:
         """Writes one point of every series.
 
         Args:
@@ -436,8 +462,9 @@ class StalenessSummaryWriter:
             interval: the counts since the previous point.
             version: the store version now.
             seconds: the training time since the previous point.
+            lost: per replica, whether it was lost at this point (see `point`).
         """
-        self._file.write(self.point(interval, version, seconds), step)
+        self._file.write(self.point(interval, version, seconds, lost), step)
 
     def flush(self) -> None:
         """Writes buffered points to disk."""

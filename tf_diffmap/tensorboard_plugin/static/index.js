@@ -22,6 +22,7 @@ const METRICS = [
   ["work/updates", "Updates applied", "updates per point"],
   ["work/share", "Share of the work", "share of the updates computed"],
   ["work/examples_per_second", "Examples per second", "examples / s"],
+  ["work/lost", "Replicas lost", "lost (1) or not (0)"],
   ["rule/dropped", "Dropped updates", "dropped updates"],
   ["rule/lr_scale", "Learning-rate scale", "learning-rate factor"],
 ];
@@ -305,17 +306,41 @@ class StalenessApp {
       const dropped = sum(totals.dropped);
       if (info.rule || dropped) card("Dropped updates", formatNumber(dropped), info.rule ? `rule: ${info.rule}` : "", dropped > 0);
     }
+    const { now, ever } = this.lostReplicas();
+    if (ever.length) {
+      const names = (list) => list.map((r) => `${r} (${shortDevice(info.devices[r])})`).join(", ");
+      card(
+        "Replicas lost",
+        String(now.length),
+        now.length ? `now: replica ${names(now)}` : `earlier: replica ${names(ever)}; all back`,
+        now.length > 0,
+      );
+    }
     return h("section", { class: "cards" }, cards);
+  }
+
+  // Replicas lost at the latest point, and at any point of the run.
+  lostReplicas() {
+    const lost = this.data.series["work/lost"] || {};
+    const now = [];
+    const ever = [];
+    for (const [key, points] of Object.entries(lost)) {
+      if (key === "all" || !points.length) continue;
+      if (points.some(([, value]) => value > 0)) ever.push(Number(key));
+      if (points[points.length - 1][1] > 0) now.push(Number(key));
+    }
+    return { now: now.sort((a, b) => a - b), ever: ever.sort((a, b) => a - b) };
   }
 
   drawLines() {
     const metric = METRICS.find(([key]) => key === this.metric);
     const data = this.data.series[this.metric] || {};
+    const lostNow = new Set(this.lostReplicas().now.map(String));
     const series = this.keys
       .filter((key) => data[key])
       .map((key) => ({
         key,
-        label: replicaLabel(key),
+        label: replicaLabel(key) + (lostNow.has(key) ? " · lost" : ""),
         color: colorOf(key),
         points: data[key],
         dashed: key === "all",
