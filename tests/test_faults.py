@@ -177,3 +177,26 @@ def test_lost_ps_error_names_the_task_and_what_to_do():
     error = faults.lost_ps_error(faults.Fault("ps", "/job:ps/replica:0/task:1"), cause)
     assert isinstance(error, tf.errors.UnavailableError) and error.__cause__ is cause
     assert "/job:ps/replica:0/task:1" in str(error) and "BackupAndRestore" in str(error)
+
+
+def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
+    """Keras re-raises what fit raises `from None`: `__cause__` is gone, the
+    `runtime_error` attribute is not."""
+    cause = tf.errors.UnavailableError(
+        None, None, "recvmsg:Connection reset by peer (from /job:ps/replica:0/task:0)"
+    )
+    lost = faults.lost_ps_error(faults.Fault("ps", "/job:ps/replica:0/task:0"), cause)
+
+    class LosePs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise lost
+
+    x, y = classification_data(64)
+    strategy, model = async_mlp()
+    with pytest.raises(tf.errors.UnavailableError) as raised:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[LosePs()])
+    assert raised.value is lost
+    assert raised.value.__cause__ is None  # what Keras' filtering does
+    assert raised.value.runtime_error is cause
+    assert "Connection reset by peer" in str(raised.value.runtime_error)
+    strategy.shutdown()

@@ -77,8 +77,9 @@ CHIEF = textwrap.dedent(
             report["raised"] = type(error).__name__
             report["message"] = str(error)
             report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
-            cause = error.__cause__ or error.__context__
-            report["cause"] = type(cause).__name__ if cause is not None else None
+            # fit clears __cause__ (Keras re-raises `from None`); this stays.
+            details = getattr(error, "runtime_error", None)
+            report["runtime_error"] = [type(details).__name__, str(details)]
         time.sleep(1.5)  # the idle monitor's second
         report["threads"] = [
             t.name for t in threading.enumerate() if t.name.startswith("tf_diffmap")
@@ -171,6 +172,9 @@ def test_a_killed_ps_is_an_unavailable_error_naming_it(tmp_path):
     assert len(message) < 600
     assert report["seconds"] < 15
     assert report["threads"] == []
+    # The runtime's own error, with the remote details, is kept on the error.
+    kind, details = report["runtime_error"]
+    assert kind != "NoneType" and "/job:ps/replica:0/task:0" in details
 
 
 def test_every_replica_lost_is_a_clear_error(tmp_path):

@@ -22,10 +22,10 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
   RUNNING).
 - **every replica lost**, and a **lost ps**: fatal. The loops stop, the input
   ends and the error is raised as `tf.errors.UnavailableError` naming the
-  task(s), with the runtime's error as its `__cause__`.
+  task(s), with the runtime's error as its `runtime_error` (and `__cause__`).
 - any other error of a replica: raised as its own type; on a cluster its
   message is shortened to its first line and the task, with the runtime's
-  error as the cause.
+  error as its `runtime_error` (and `__cause__`, which `fit` clears).
 """
 
 from __future__ import annotations
@@ -188,7 +188,11 @@ def short_message(error: BaseException) -> str:
 
 
 def _with_cause(new: BaseException, cause: BaseException) -> BaseException:
+    # Keras' and TensorFlow's traceback filtering re-raise what `fit` raises
+    # `from None`, which clears `__cause__`; an attribute of the error itself
+    # survives that, so the runtime's details stay reachable.
     new.__cause__ = cause
+    new.runtime_error = cause
     return new
 
 
