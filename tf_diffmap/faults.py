@@ -13,9 +13,10 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
 
 - a **lost worker**: the replicas of that worker become LOST; the strategy's
   failure flag is not set, the other replicas go on. The shard a lost replica
-  held (a token on a cluster) goes back on the queue for a live replica; its
-  claim on a store version, if it made one, is *abandoned* (counted when the
-  loops are next idle, so that version = completed + abandoned).
+  held (a token on a cluster) goes back on the queue for a live replica if
+  its step had not marked its claim on a store version; otherwise it is
+  *abandoned*, with its claim (counted when the loops are next idle, so that
+  version = completed + abandoned). See `loops.HeldShard`.
   A `Rejoiner` thread probes the lost workers about once a second; once one
   serves again, it reconnects the cluster (`update_server_def`), rebuilds
   that worker's input pipeline and restarts its replicas (REJOINING, then
