@@ -177,3 +177,150 @@ def test_lost_ps_error_names_the_task_and_what_to_do():
     error = faults.lost_ps_error(faults.Fault("ps", "/job:ps/replica:0/task:1"), cause)
     assert isinstance(error, tf.errors.UnavailableError) and error.__cause__ is cause
     assert "/job:ps/replica:0/task:1" in str(error) and "BackupAndRestore" in str(error)
+
+
+def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
+    """Keras re-raises what fit raises `from None`: `__cause__` is gone, the
+    `runtime_error` attribute is not."""
+    cause = tf.errors.UnavailableError(
+        None, None, "recvmsg:Connection reset by peer (from /job:ps/replica:0/task:0)"
+    )
+    lost = faults.lost_ps_error(faults.Fault("ps", "/job:ps/replica:0/task:0"), cause)
+
+    class LosePs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise lost
+
+    x, y = classification_data(64)
+    strategy, model = async_mlp()
+    with pytest.raises(tf.errors.UnavailableError) as raised:
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[LosePs()])
+    assert raised.value is lost
+    assert raised.value.__cause__ is None  # what Keras' filtering does
+    assert raised.value.runtime_error is cause
+    assert "Connection reset by peer" in str(raised.value.runtime_error)
+    strategy.shutdown()
+
+
+# -- a shard whose loop call fails: applied once, abandoned, or run again -----
+
+from tf_diffmap.devices import host_cpu  # noqa: E402
+from tf_diffmap.loops import HeldShard, ShardChannel, held_shard  # noqa: E402
+from tf_diffmap.store import ParameterStore  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "completed, marked, may_requeue, fate",
+    [
+        (True, True, True, HeldShard.APPLIED),
+        (True, False, False, HeldShard.APPLIED),
+        (False, True, True, HeldShard.ABANDONED),
+        (False, True, False, HeldShard.ABANDONED),
+        (False, False, True, HeldShard.REQUEUED),
+        (False, False, False, HeldShard.DROPPED),
+    ],
+)
+def test_the_fate_of_a_held_shard(completed, marked, may_requeue, fate):
+    asked = []
+
+    def was_marked():
+        asked.append(True)
+        return marked
+
+    assert held_shard(completed, was_marked, may_requeue) is fate
+    assert asked == ([] if completed else [True])  # asked once, and only if needed
+
+
+def tripwire(counter: tf.Variable, k: int) -> tf.Operation:
+    """An op that fails the k-th time it runs (counted atomically, across calls).
+
+    A raw op on the counter's handle: Keras' optimizer claims inside a
+    `tf.custom_gradient` function, which refuses variables read in it.
+    """
+    before = tf.raw_ops.ResourceCountUpTo(resource=counter.handle, limit=2**62, T=tf.int64)
+    return tf.debugging.Assert(tf.not_equal(before + 1, k), ["injected failure"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "cut, abandoned",
+    [
+        ("forward", 0),  # before the step marks its claim: its token runs again
+        ("after_claim", 1),  # between the claim and the step's end: abandoned
+        ("after_completion", 0),  # between its completion and its count: applied once
+    ],
+)
+def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, monkeypatch):
+    """Each token is completed once or abandoned once; never both, never twice.
+
+    Tokens, as on a cluster (each replica reads its shards from its own
+    host's input); a loop call fails once, at the point `cut`, with an error
+    handled as a call cut off by another task's loss (the replica goes on,
+    what it held is released).
+    """
+    counter = tf.Variable(0, dtype=tf.int64)  # made outside the scope: a plain counter
+    k = 20
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    if cut == "forward":
+
+        def check(t):
+            with tf.control_dependencies([tripwire(counter, k)]):
+                return tf.identity(t)
+
+        layers.insert(1, keras.layers.Lambda(check))
+    elif cut == "after_claim":
+        record = ParameterStore.record
+
+        def record_then_fail(self, replica_id, staleness, *args, **kwargs):
+            with tf.control_dependencies([staleness]):
+                trip = tripwire(counter, k)
+            with tf.control_dependencies([trip]):
+                return record(self, replica_id, staleness, *args, **kwargs)
+
+        monkeypatch.setattr(ParameterStore, "record", record_then_fail)
+    else:
+        done = ShardChannel.done
+
+        def fail_then_done(self, replica_id=None):
+            # Inside the loop, under its step's completion.
+            with tf.control_dependencies([tripwire(counter, k)]):
+                return done(self, replica_id)
+
+        monkeypatch.setattr(ShardChannel, "done", fail_then_done)
+
+    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
+    strategy.extended.worker_hosts = [host_cpu(d) for d in strategy.replica_devices]
+    verdict = strategy.extended.faults.verdict
+    cut_off = []
+
+    def cut_off_by_another_task(replica_id, error):
+        if "injected failure" in str(error):
+            cut_off.append(replica_id)
+            return "running", None
+        return verdict(replica_id, error)
+
+    monkeypatch.setattr(strategy.extended.faults, "verdict", cut_off_by_another_task)
+    with strategy.scope():
+        model = keras.Sequential(layers)
+        compile_logits(model, "sgd")
+    x, y = classification_data(512)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    tokens = 2 * (512 // 32) * 2
+    steps = sum(strategy.replica_steps())
+    assert len(cut_off) == 1 and int(counter.numpy()) > k
+    assert strategy.statistics().abandoned == abandoned
+    assert steps + abandoned == tokens
+    assert strategy.version == steps + abandoned
+    strategy.shutdown()
+
+
+def test_a_claim_marked_and_cut_off_before_it_is_made_gets_its_version():
+    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
+    store = strategy.extended._store
+    store.marks.scatter_nd_add([[1]], [1])  # replica 1 marked, then was cut off
+    assert store.cut_after_mark(1)
+    assert not store.cut_after_mark(1)  # accounted for once
+    assert store.settle_abandoned() == 1
+    assert strategy.version == 1 and strategy.statistics().abandoned == 1
+    assert int(store.read_version().numpy()) == 1  # reads see every version settled
+    assert store.settle_abandoned() == 0

@@ -13,19 +13,20 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
 
 - a **lost worker**: the replicas of that worker become LOST; the strategy's
   failure flag is not set, the other replicas go on. The shard a lost replica
-  held (a token on a cluster) goes back on the queue for a live replica; its
-  claim on a store version, if it made one, is *abandoned* (counted when the
-  loops are next idle, so that version = completed + abandoned).
+  held (a token on a cluster) goes back on the queue for a live replica if
+  its step had not marked its claim on a store version; otherwise it is
+  *abandoned*, with its claim (counted when the loops are next idle, so that
+  version = completed + abandoned). See `loops.HeldShard`.
   A `Rejoiner` thread probes the lost workers about once a second; once one
   serves again, it reconnects the cluster (`update_server_def`), rebuilds
   that worker's input pipeline and restarts its replicas (REJOINING, then
   RUNNING).
 - **every replica lost**, and a **lost ps**: fatal. The loops stop, the input
   ends and the error is raised as `tf.errors.UnavailableError` naming the
-  task(s), with the runtime's error as its `__cause__`.
+  task(s), with the runtime's error as its `runtime_error` (and `__cause__`).
 - any other error of a replica: raised as its own type; on a cluster its
   message is shortened to its first line and the task, with the runtime's
-  error as the cause.
+  error as its `runtime_error` (and `__cause__`, which `fit` clears).
 """
 
 from __future__ import annotations
@@ -188,7 +189,11 @@ def short_message(error: BaseException) -> str:
 
 
 def _with_cause(new: BaseException, cause: BaseException) -> BaseException:
+    # Keras' and TensorFlow's traceback filtering re-raise what `fit` raises
+    # `from None`, which clears `__cause__`; an attribute of the error itself
+    # survives that, so the runtime's details stay reachable.
     new.__cause__ = cause
+    new.runtime_error = cause
     return new
 
 

@@ -14,19 +14,65 @@ Every shard that is put is counted (`progress[0]`), and every shard a loop
 takes is counted once it is applied or dropped (`progress[1]`), so that the
 caller can tell, with one read, what is still in flight. A STOP item (its
 first component true) ends one loop; it is not counted. While a loop holds a
-shard (taken, not yet counted), its replica's cell of `holding` is 1: when a
-loop call fails, that says whether a shard went down with it.
+shard (taken, not yet counted), its replica's cell of `holding` is the step
+count its replica reaches once that shard's step completes: when a loop call
+fails, that says whether a shard went down with it, and whether its step
+had completed all the same (`HeldShard`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["ShardChannel", "drop_function", "loop_function"]
+__all__ = ["HeldShard", "ShardChannel", "drop_function", "held_shard", "loop_function"]
 
 _PUT, _DONE = 0, 1
+
+
+class HeldShard(enum.Enum):
+    """What becomes of the shard a loop call held when the call failed.
+
+    A shard's life: QUEUED (put, not taken), then held by a loop call, which
+    applies it (its step completes) or drops it, then counts it done. When
+    the call fails in between, the shard becomes, once, one of:
+
+    - APPLIED: its step completed; only its count was cut off. Counted done,
+      never run again.
+    - ABANDONED: its step had marked its claim and did not complete: it may
+      have written part of its update. Counted done and never run again; its
+      claim is abandoned (`ParameterStore.settle_abandoned`).
+    - REQUEUED: cut off before its mark, so nothing of it reached the
+      variables; a token goes back on the queue, for a live replica.
+    - DROPPED: cut off before its mark, but it cannot run again (a real
+      shard whose data went down with the call, or a replica that failed).
+      Counted done.
+
+    `held_shard` is the one place that decides.
+    """
+
+    APPLIED = "applied"
+    ABANDONED = "abandoned"
+    REQUEUED = "requeued"
+    DROPPED = "dropped"
+
+
+def held_shard(completed: bool, marked: Callable[[], bool], may_requeue: bool) -> HeldShard:
+    """The fate of a shard whose loop call failed while holding it.
+
+    Args:
+        completed: whether its step was counted completed.
+        marked: whether its step had marked its claim (asked only when the
+            step did not complete, and only once).
+        may_requeue: whether the shard can run again on another replica.
+    """
+    if completed:
+        return HeldShard.APPLIED
+    if marked():
+        return HeldShard.ABANDONED
+    return HeldShard.REQUEUED if may_requeue else HeldShard.DROPPED
 
 
 class ShardChannel:
@@ -104,11 +150,17 @@ class ShardChannel:
             tensor.set_shape(spec.shape)
         return stop, shard
 
-    def hold(self, replica_id: tf.Tensor) -> tf.Operation:
-        """Marks that the replica holds a shard it took."""
+    def hold(self, replica_id: tf.Tensor, stamp: tf.Tensor) -> tf.Operation:
+        """Marks that the replica holds a shard it took.
+
+        Args:
+            replica_id: the replica.
+            stamp: the replica's completed steps once this shard's step
+                completes (its steps so far plus one; never 0).
+        """
         with tf.device(self.counter_device):
             return self.holding.scatter_nd_update(
-                tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
+                tf.reshape(replica_id, [1, 1]), tf.reshape(tf.cast(stamp, tf.int64), [1])
             )
 
     def done(self, replica_id: tf.Tensor | None = None) -> tf.Operation:
@@ -129,27 +181,25 @@ class ShardChannel:
         put, done = self.progress.numpy()
         return max(int(put - done), 0)
 
-    def release(self, replica_id: int, requeue: bool) -> bool:
-        """Lets go of the shard a failed loop call held, if it held one.
+    def held(self, replica_id: int) -> int:
+        """The stamp of the shard a replica's failed loop call held (0: none)."""
+        return int(self.holding[replica_id])
+
+    def release(self, replica_id: int, requeue: bool) -> None:
+        """Lets go of the shard a failed loop call held.
 
         Args:
             replica_id: the replica whose loop call failed.
             requeue: put it back on the queue as an empty shard (a token
                 stands for a shard the taker reads itself, so another
                 replica takes it instead); otherwise count it done.
-
-        Returns:
-            Whether the replica held a shard.
         """
-        if not int(self.holding[replica_id]):
-            return False
         self.holding.scatter_nd_update([[replica_id]], [0])
         if requeue:
             with tf.device(self.device):
                 self.queue.enqueue([tf.constant(False), *self._empty()])
         else:
             self.progress.scatter_nd_add([[_DONE]], [1])
-        return True
 
     def resync(self) -> None:
         """With no loop running and nothing queued: nothing is in flight."""
@@ -179,6 +229,7 @@ def loop_function(
     apply_shard: Callable[[tf.Tensor, list[tf.Tensor], tf.Tensor], tf.Tensor],
     skip: Callable[[list[tf.Tensor], tf.Tensor], tf.Tensor],
     start: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]],
+    stamp: Callable[[tf.Tensor], tf.Tensor],
     fetch: Callable[..., list[tf.Tensor]] | None = None,
 ) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
     """A replica loop: take and apply up to `max_steps` shards, or a STOP.
@@ -194,6 +245,8 @@ def loop_function(
             replica's claims so far (only its own loop adds to them while it
             runs) and the strategy's failure flag (seen again at the next
             call, at most K shards later).
+        stamp: `replica_id -> int64`, the replica's completed steps plus
+            one, read as it takes a shard (see `ShardChannel.hold`).
         fetch: where items are tokens, `(token, *sources) -> shard`: the
             shard a token stands for, read from the loop's own sources (its
             worker's input iterator).
@@ -224,7 +277,7 @@ def loop_function(
                     return tf.identity(claims)
 
             def take_item():
-                with tf.control_dependencies([channel.hold(replica_id)]):
+                with tf.control_dependencies([channel.hold(replica_id, stamp(replica_id))]):
                     return tf.cond(skip(item, failed), drop, apply)
 
             def end():

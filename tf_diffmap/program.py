@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.loops import ShardChannel, drop_function, loop_function
+from tf_diffmap.loops import HeldShard, ShardChannel, drop_function, held_shard, loop_function
 from tf_diffmap.outputs import mark_one_replica
 from tf_diffmap.step import StepState, tracing_step
 from tf_diffmap.workers import ReplicaLoops
@@ -239,7 +239,9 @@ class Program:
             def apply_shard(replica_id, shard, claims, device=device):
                 return self._run_replica_step(replica_id, shard, device, claims)[2]
 
-            loop = loop_function(self.channel, apply_shard, self._skip, self._loop_start, fetch)
+            loop = loop_function(
+                self.channel, apply_shard, self._skip, self._loop_start, self._stamp, fetch
+            )
             with tf.device(device):
                 concrete = tf.function(loop, autograph=False).get_concrete_function(
                     tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32), *sources
@@ -264,10 +266,10 @@ class Program:
     def _run_replica_step(self, replica_id, shard, device: str | None = None, before=None):
         """Calls the replica's step, then counts it done.
 
-        A step counts itself completed once it has finished writing (the
-        claims it made: its replica's claims after it, read after its
-        updates, less those before it), and leaves its outputs where Keras'
-        graph reads the latest ones.
+        A step counts itself completed once it has finished writing, with
+        the claims it made (its replica's claims after it, read after its
+        updates, less those before it), in one op, and leaves its outputs
+        where Keras' graph reads the latest ones.
 
         Returns:
             The step's outputs, the bookkeeping op, and the replica's claims
@@ -284,21 +286,22 @@ class Program:
                 outputs, claims = self._call_step(replica_id, shard)
         flat = self._flat_outputs(outputs)
         with tf.control_dependencies([claims, *flat]):
-            with tf.device(store.host):
-                counted = [store.completed.assign_add(claims - before, read_value=False)]
+            counted = store.complete(replica_id, claims - before)
             with tf.device(extended.client_host):
                 latest = [
-                    extended.replica_steps_variable.scatter_nd_add(
-                        tf.reshape(replica_id, [1, 1]), tf.constant([1], tf.int64)
-                    ),
-                    *(v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)),
+                    v.assign(o, read_value=False) for v, o in zip(self.output_variables, flat)
                 ]
-        done = tf.group([*counted, *latest])
+        done = tf.group([counted, *latest])
         with tf.control_dependencies([done]):
             return outputs, done, tf.identity(claims)
 
     def _loop_start(self, replica_id):
         return self.extended._store.claims_of(replica_id), self.extended.failed.read_value()
+
+    def _stamp(self, replica_id):
+        # Beside the queue, where the stamp is written: no round trip.
+        with tf.device(self.extended.client_host):
+            return tf.gather(self.extended._store.steps(), replica_id) + 1
 
     def _call_step(self, replica_id, shard):
         devices = list(dict.fromkeys(self.extended.replica_devices))
@@ -372,7 +375,7 @@ class Program:
 
     def _first_step_in_graph(self, shards):
         extended = self.extended
-        steps = extended.replica_steps_variable.read_value()
+        steps = extended._store.steps()
         pick = tf.argmin if extended.max_staleness is not None else tf.argmax
         replica_id = tf.cast(pick(steps), tf.int32)
         outputs, done, _ = self._run_replica_step(replica_id, shards[0])
@@ -437,10 +440,37 @@ class Program:
         return int(taken), bool(stopped)
 
     def release(self, replica_id: int, requeue: bool) -> bool:
-        """The item a failed loop call held: a token goes back on the queue
-        (for a live replica to read its own shard), a real shard is counted
-        done (its data went down with the call)."""
-        return self.channel.release(replica_id, requeue=requeue and self.worker_input is not None)
+        """The item a failed loop call held, once the call has ended.
+
+        Its step completed: it is counted done. It had marked its claim: it
+        is abandoned, not run again. Otherwise nothing of it was written: a
+        token goes back on the queue (for a live replica to read its own
+        shard) if `requeue`, a real shard is counted done (its data went
+        down with the call). See `HeldShard`.
+
+        Returns:
+            Whether the replica held an item.
+        """
+        stamp = self.channel.held(replica_id)
+        if not stamp:
+            return False
+        store = self.extended._store
+        may_requeue = requeue and self.worker_input is not None
+
+        def marked() -> bool:
+            if not requeue:
+                # A failed replica's shard is not run again either way; its
+                # claim, if any, is settled as the error is raised (the ps
+                # may be gone).
+                return False
+            try:
+                return store.cut_after_mark(replica_id)
+            except tf.errors.OpError:
+                return True  # Unknown: not run again, rather than twice.
+
+        fate = held_shard(store.steps_per_replica()[replica_id] >= stamp, marked, may_requeue)
+        self.channel.release(replica_id, requeue=fate is HeldShard.REQUEUED)
+        return True
 
     def replica_steps(self) -> list[int]:
         return self.extended.replica_steps()

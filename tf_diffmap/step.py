@@ -104,7 +104,7 @@ class StepState:
             return existing
         deps = [t for t in (as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
         with tf.control_dependencies(deps):
-            claim = Claim(self.store.claim_version(self.read_version))
+            claim = Claim(self.store.claim_version(self.read_version, self.replica_id))
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         self._claims[self._graph_key(graph)] = claim
         self.claimed = True

@@ -5,6 +5,14 @@ store's parameter devices. Replicas read it there and apply their updates there
 with TensorFlow's own update ops, which lock the variable for the length of the
 op. A global version counter counts applied updates; per-replica counters
 record how stale each update was.
+
+What a step has done is counted so that a step cut off anywhere (its worker
+lost) is accounted for exactly once: just before it claims a version it
+*marks* the claim (`marks`, beside the version), and once it has finished
+writing one op counts it completed (its row of `ledger`, beside the queue).
+A step is then either completed, or marked and cut off (abandoned: it may
+have written part of its update), or cut off before its mark (it wrote
+nothing to the variables, and its shard may run again).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ __all__ = ["ParameterStore", "counters_as_stats", "outside_scope_message"]
 _VERSION_LIMIT = np.iinfo(np.int64).max
 # Columns of `ParameterStore.counters`.
 _UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _HISTOGRAM = range(5)
+# Columns of `ParameterStore.ledger`.
+_STEPS, _CLAIMS = range(2)
 
 
 def _read(variable: tf.Variable) -> np.ndarray:
@@ -106,6 +116,8 @@ class ParameterStore:
         num_replicas: how many replicas record statistics.
         on_host_access: called before a store variable is read or written
             eagerly outside a replica (the strategy drains there).
+        ledger_device: where the steps are counted completed (the host of
+            the queue they come from); by default the store's host.
     """
 
     def __init__(
@@ -113,6 +125,7 @@ class ParameterStore:
         parameter_devices: Sequence[str],
         num_replicas: int,
         on_host_access=None,
+        ledger_device: str | None = None,
     ):
         self.devices = list(parameter_devices)
         self.num_replicas = num_replicas
@@ -122,15 +135,24 @@ class ParameterStore:
         self.histogram_bins = max(64, 8 * num_replicas)
         # Claims whose step never completed (see `settle_abandoned`).
         self.abandoned = 0
+        self.ledger_device = ledger_device or self.host
+        # Per replica, its marks not completed that are accounted for (as
+        # abandoned), so that a new one tells a step cut off after its mark.
+        self._open_marks = [0] * num_replicas
         with tf.init_scope(), tf.device(self.host):
             zeros = tf.zeros([num_replicas], tf.int64)
-            # `version` counts claimed updates, `completed` the claimed steps
-            # that have finished writing: a replica's read sees `completed`.
+            # `version` counts claimed updates; `marks` counts, per replica,
+            # the claims it set out to make (marked just before each claim).
             self.version = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="store_version"
             )
-            self.completed = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="store_completed"
+            self.marks = tf.Variable(zeros, trainable=False, name="store_marks")
+        with tf.init_scope(), tf.device(self.ledger_device):
+            # Per replica, steps and claims completed, counted by one op per
+            # step; the last row holds, as claims, those abandoned. Its claims
+            # column sums to the updates that a replica's read can see.
+            self.ledger = tf.Variable(
+                tf.zeros([num_replicas + 1, 2], tf.int64), trainable=False, name="store_ledger"
             )
             # Per replica, in one variable so that one update is recorded by
             # one op and a snapshot reads them together: updates applied,
@@ -194,14 +216,47 @@ class ParameterStore:
     # -- the version counter, in a replica's graph ----------------------------
 
     def read_version(self) -> tf.Tensor:
-        """The updates a replica's read can see: those already completed."""
-        with tf.device(self.host):
-            return self.completed.read_value()
+        """The updates a replica's read can see: those completed (or abandoned)."""
+        with tf.device(self.ledger_device):
+            return tf.reduce_sum(self.ledger.read_value()[:, _CLAIMS])
 
-    def complete(self) -> None:
-        """Marks one claimed step as finished writing (called after the step)."""
-        with tf.device(self.host):
-            self.completed.assign_add(1, read_value=False)
+    def complete(self, replica_id, claims) -> tf.Operation:
+        """Counts one step of a replica completed, with the claims it made.
+
+        One op: a step cut off by a lost task is counted whole or not at all.
+        """
+        with tf.device(self.ledger_device):
+            row = tf.cast(tf.reshape(replica_id, []), tf.int64)
+            return self.ledger.scatter_nd_add(
+                tf.stack([tf.stack([row, _STEPS]), tf.stack([row, _CLAIMS])]),
+                tf.stack([tf.constant(1, tf.int64), tf.cast(claims, tf.int64)]),
+            ).op
+
+    def steps(self) -> tf.Tensor:
+        """Steps each replica has completed (in a graph, on the ledger's host)."""
+        with tf.device(self.ledger_device):
+            return self.ledger.read_value()[: self.num_replicas, _STEPS]
+
+    def steps_per_replica(self) -> list[int]:
+        return [int(s) for s in _read(self.ledger)[: self.num_replicas, _STEPS]]
+
+    def completed_claims(self) -> int:
+        """Claims whose steps completed (abandoned ones not included)."""
+        return int(_read(self.ledger)[: self.num_replicas, _CLAIMS].sum())
+
+    def cut_after_mark(self, replica_id: int) -> bool:
+        """Whether a step of the replica, cut off, had marked its claim.
+
+        Called once for a step that did not complete, after its call ended:
+        a mark of the replica that is neither completed nor accounted for
+        is that step's, which is then accounted for (as abandoned).
+        """
+        marks = int(_read(self.marks)[replica_id])
+        completed = int(_read(self.ledger)[replica_id, _CLAIMS])
+        if marks - completed > self._open_marks[replica_id]:
+            self._open_marks[replica_id] = marks - completed
+            return True
+        return False
 
     def claims_of(self, replica_id) -> tf.Tensor:
         """Claims a replica has recorded (applied plus dropped updates)."""
@@ -213,41 +268,48 @@ class ParameterStore:
         counts = self.counters.numpy()
         return [int(c) for c in counts[:, _UPDATES] + counts[:, _DROPPED]]
 
-    def resync_completed(self) -> None:
-        """After a failed step, with nothing in flight: every claim is done."""
-        with tf.device(self.host):
-            self.completed.assign(self.version)
-
     def settle_abandoned(self) -> int:
         """With nothing in flight: counts the claims that never completed.
 
-        A step interrupted after its claim (its worker was lost, or it
-        raised) never counts itself completed. Once nothing is in flight,
-        the difference is abandoned claims, so that the version equals the
-        completed updates plus the abandoned claims.
+        A step interrupted after its mark (its worker was lost, or it
+        raised) never counts itself completed: its claim is abandoned. A
+        step cut off between its mark and its claim gets its version here,
+        so that each abandoned step holds one version and the version
+        equals the completed updates plus the abandoned claims.
 
         Returns:
             The claims abandoned since the last call.
         """
-        version, completed = int(_read(self.version)), int(_read(self.completed))
-        if version == completed:
-            return 0
-        self.abandoned += version - completed
-        with tf.device(self.host):
-            self.completed.assign(version)
-        return version - completed
+        marks = _read(self.marks)
+        ledger = _read(self.ledger)
+        completed = ledger[: self.num_replicas, _CLAIMS]
+        self._open_marks = [int(m) for m in marks - completed]
+        claimed = max(int(marks.sum()), int(_read(self.version)))
+        if int(_read(self.version)) < claimed:
+            self.version.assign(claimed)
+        abandoned = claimed - int(completed.sum())
+        new = abandoned - self.abandoned
+        if new:
+            self.abandoned = abandoned
+            with tf.device(self.ledger_device):
+                self.ledger.scatter_nd_update([[self.num_replicas, _CLAIMS]], [abandoned])
+        return new
 
-    def claim_version(self, read_version: tf.Tensor) -> tf.Tensor:
-        """Bumps the version atomically; returns this update's staleness.
+    def claim_version(self, read_version: tf.Tensor, replica_id: tf.Tensor) -> tf.Tensor:
+        """Marks, then bumps the version atomically; returns the staleness.
 
         The staleness counts the updates claimed before this one that had not
         completed when this step read the parameters: updates its gradient
         did not see, whether or not they were fully written at the claim.
         """
         with tf.device(self.host):
-            before = tf.raw_ops.ResourceCountUpTo(
-                resource=self.version.handle, limit=_VERSION_LIMIT, T=tf.int64
+            mark = self.marks.scatter_nd_add(
+                tf.reshape(tf.cast(replica_id, tf.int64), [1, 1]), tf.constant([1], tf.int64)
             )
+            with tf.control_dependencies([mark]):
+                before = tf.raw_ops.ResourceCountUpTo(
+                    resource=self.version.handle, limit=_VERSION_LIMIT, T=tf.int64
+                )
             return tf.maximum(before - read_version, 0)
 
     def record(

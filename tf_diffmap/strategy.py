@@ -75,12 +75,16 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self.max_staleness = max_staleness
         self.queue_size = queue_size or 2 * len(replica_devices)
         self.steps_per_loop = steps_per_loop
-        self._store = ParameterStore(
-            parameter_devices, len(replica_devices), on_host_access=self._on_host_access
-        )
         # Where Keras' graph runs (the chief on a cluster): the queue, the
-        # outputs, the flags that Keras' graph reads live here.
+        # outputs, the flags that Keras' graph reads, and the count of
+        # completed steps live here.
         self.client_host = local_cpu()
+        self._store = ParameterStore(
+            parameter_devices,
+            len(replica_devices),
+            on_host_access=self._on_host_access,
+            ledger_device=self.client_host,
+        )
         # On a cluster: per replica, the CPU of its worker task, where its
         # input is built (see `tf_diffmap.cluster`).
         self.worker_hosts: list[str] | None = None
@@ -90,11 +94,6 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             # Set while a replica's error waits to be raised: the loops drop
             # what they take, and the input pipelines end.
             self.failed = tf.Variable(False, trainable=False, name="replica_failed")
-            self.replica_steps_variable = tf.Variable(
-                tf.zeros([len(replica_devices)], tf.int64),
-                trainable=False,
-                name="replica_steps",
-            )
         # Counter snapshots that Keras' graph takes while a batch-level
         # `StalenessTensorBoard` asks for them.
         self.snapshots = CounterSnapshots(self._store, self.client_host)
@@ -215,7 +214,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         return sum(p.pending() for p in self._training_programs())
 
     def replica_steps(self) -> list[int]:
-        return [int(s) for s in self.replica_steps_variable.numpy()]
+        return self._store.steps_per_replica()
 
     # -- variables ----------------------------------------------------------
 
@@ -308,8 +307,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 outputs = fn(*args, **kwargs)
                 state.finish(outputs)
             if state.claimed:
-                self._store.completed.assign_add(self._store.claims_of(0) - before)
-                self.replica_steps_variable.scatter_nd_add([[0]], [1])
+                self._store.complete(0, self._store.claims_of(0) - before)
         return outputs
 
     @staticmethod
