@@ -378,6 +378,45 @@ def test_no_cluster_says_what_to_set(monkeypatch):
         cluster.connect()
 
 
+SECOND_FIT_CLIENT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import keras, numpy as np, tensorflow as tf
+    from tf_diffmap import cluster
+
+    x = np.random.default_rng(0).normal(size=(512, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    with cluster.LocalCluster(workers=2, ps=1) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        first = strategy.statistics().examples.sum()
+        # Another dataset: the same examples in batches of 8 (4 per replica).
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+        report = {
+            "first": int(first),
+            "second": int(strategy.statistics().examples.sum() - first),
+            "version": strategy.version,
+        }
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_fit_reads_its_own_dataset_on_the_workers(tmp_path):
+    # Keras keeps its traced step from fit to fit; the replicas' loops must
+    # read the pipelines of the dataset the second fit distributed.
+    report = run_chief(SECOND_FIT_CLIENT, tmp_path)
+    assert report["first"] == 512
+    assert report["second"] == 512, "the loops read the first fit's pipelines"
+    assert report["version"] == 16 * 2 + 64 * 2
+
+
 FUNCTION_CLIENT = textwrap.dedent(
     """
     import json, os

@@ -56,9 +56,9 @@ CHIEF = textwrap.dedent(
                         local.kill("worker", 1)
                     if batch == 45:
                         local.restart("worker", 1)
-                if scenario == "rejoin" and (epoch, batch) == (0, 10):
+                if scenario.startswith("rejoin") and (epoch, batch) == (0, 10):
                     local.kill("worker", 1)
-                if scenario == "rejoin" and (epoch, batch) == (0, 30):
+                if scenario.startswith("rejoin") and (epoch, batch) == (0, 30):
                     report["steps_before_restart"] = strategy.replica_steps()
                     local.restart("worker", 1)
                 if scenario == "ps" and (epoch, batch) == (1, 10):
@@ -73,6 +73,11 @@ CHIEF = textwrap.dedent(
                 if scenario == "between_steps" and epoch == 0:
                     local.kill("worker", workers - 1)
 
+        if scenario.endswith("_after_fit"):
+            # A fit before: the next fit distributes its dataset anew, with
+            # new pipelines on the workers.
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            report["first_fit_version"] = strategy.version
         try:
             model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[Faults()])
             report["finished"] = True
@@ -162,6 +167,19 @@ def test_a_restarted_worker_rejoins_and_trains_again(tmp_path):
     before = report["steps_before_restart"][1]
     assert report["steps"][1] > before + BATCHES // 4, report
     assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1
+
+
+def test_a_worker_restarted_during_a_second_fit_rejoins(tmp_path):
+    # The second fit's pipelines are new: the rejoined worker's loop reads
+    # the rebuilt pipeline of the dataset this fit iterates.
+    report = run_chief("rejoin_after_fit", 2, tmp_path)
+    assert report.get("finished"), report
+    assert report["first_fit_version"] == BATCHES * 2
+    assert sum(report["steps"]) + report["abandoned"] == (EPOCHS + 1) * BATCHES * 2
+    assert report["version"] == sum(report["steps"]) + report["abandoned"]
+    before = report["steps_before_restart"][1]
+    assert report["steps"][1] > before + BATCHES // 4, report
+    assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1, report
 
 
 def test_a_killed_ps_is_an_unavailable_error_naming_it(tmp_path):

@@ -21,7 +21,7 @@ from tf_diffmap import _tf_internal
 from tf_diffmap.loops import HeldShard, ShardChannel, drop_function, held_shard, loop_function
 from tf_diffmap.outputs import mark_one_replica
 from tf_diffmap.step import StepState, tracing_step
-from tf_diffmap.workers import ReplicaLoops
+from tf_diffmap.workers import ReplicaLoops, ReplicaState
 
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
@@ -224,6 +224,15 @@ class Program:
                         name=f"{name}_output_{i}",
                     )
                 )
+        self._trace_loops()
+        with tf.device(host):
+            self.drop_concrete = tf.function(
+                drop_function(self.channel), autograph=False
+            ).get_concrete_function(tf.TensorSpec([], tf.int32))
+
+    def _trace_loops(self) -> None:
+        """The replicas' loop functions, for the input they read now."""
+        extended = self.extended
         sources = []
         fetch = None
         if self.worker_input is not None:
@@ -249,12 +258,30 @@ class Program:
             # A first call (of no steps) prepares the function for running
             # here, once, rather than in each replica's first loop call.
             replica = extended.replica_devices.index(device)
-            concrete(tf.constant(0, tf.int32), tf.constant(0, tf.int32), *self._sources(replica))
+            if self.loops is None or self.loops.states()[replica] is not ReplicaState.LOST:
+                concrete(
+                    tf.constant(0, tf.int32), tf.constant(0, tf.int32), *self._sources(replica)
+                )
             self.loop_concretes[device] = concrete
-        with tf.device(host):
-            self.drop_concrete = tf.function(
-                drop_function(self.channel), autograph=False
-            ).get_concrete_function(tf.TensorSpec([], tf.int32))
+
+    def follow_input(self) -> None:
+        """Reads the latest distributed dataset's pipelines on the workers.
+
+        Each `fit` distributes its dataset anew (new pipelines on the
+        workers), while Keras keeps the traced step, and with it this
+        program: before its loops start, the program moves to the pipelines
+        of the dataset the chief now iterates tokens of (tracing its loop
+        functions again if their elements differ).
+        """
+        if self.worker_input is None:
+            return
+        current = self.extended.worker_input_for(self.specs)
+        if current is None or current is self.worker_input:
+            return
+        traced = self.worker_input.element_spec
+        self.worker_input = current
+        if current.element_spec != traced:
+            self._trace_loops()
 
     def _sources(self, replica_id: int) -> list:
         if self.worker_input is None:
@@ -407,6 +434,7 @@ class Program:
         return True
 
     def _start_loops(self):
+        self.follow_input()
         self.loops.start(on_idle=self.mark_drained)
         self.extended.faults.resume()
         return True
