@@ -229,7 +229,7 @@ class Plan:
     fault_workers: int = 3
     fault_ps: int = 1
     fault_worker: int = 2
-    fault_seconds: float = 100.0
+    fault_seconds: float = 120.0
     fault_kill_at: float = 15.0
     fault_restart_at: float = 30.0
     fault_sample_seconds: float = 0.25
@@ -243,8 +243,8 @@ class Plan:
 
 
 PRESETS = {
-    # 25 minutes on a 2-core host, and about 7 more for the fault timeline's three
-    # runs of 100 s (`--repeats 2` for about two thirds of that).
+    # 25 minutes on a 2-core host, and about 8 more for the fault timeline's three
+    # runs of 120 s (`--repeats 2` for about two thirds of that).
     "full": Plan(name="full", repeats=3),
     # About 7 minutes on a 2-core host: 4 replicas (and 1 for the overhead),
     # MLP only, tf.data input only, 2 repeats; and 3 more for two fault timelines

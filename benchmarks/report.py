@@ -498,7 +498,7 @@ FAULT_DELAYS = (
     ("seconds_serving_to_rejoin", "serves → replica rejoined"),
     ("seconds_restart_to_rejoin", "restart → rejoined"),
     ("seconds_rejoin_to_first_update", "rejoined → its first update"),
-    ("seconds_restart_to_full_rate", "restart → first bin at the full rate"),
+    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate"),
 )
 
 
@@ -1340,7 +1340,7 @@ def _fault_timeline_section(results) -> list[str]:
             + ", ".join(_num(cpu.get(n), 2) for n in processes)
             + " |"
         )
-    lines += ["", "| Delay | seconds |", "| --- | --- |"]
+    lines += ["", "| Delay (median over the runs where it happened) | seconds |", "| --- | --- |"]
     for key, text in FAULT_DELAYS:
         lines.append(f"| {text} | {_cell(row['delays'][key], 2)} |")
     source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
@@ -1370,7 +1370,11 @@ def _fault_timeline_section(results) -> list[str]:
     ]
     errors = [_root_line(e) for e in row["replica_errors"] if e]
     if errors:
-        lines += [f"The last error that made the killed worker's replica lost: `{errors[0]}`", ""]
+        lines += [
+            "The error that last made the killed worker's replica lost, per run: "
+            + "; ".join(f"`{e}`" for e in errors),
+            "",
+        ]
     return lines
 
 

@@ -418,7 +418,9 @@ def summarize(
         warmup: seconds skipped at the start (the fit's own start-up).
         settle: seconds after the rejoin before the *after* window.
         full_rate: the share of the before-rate that counts as the full
-            rate again, for `seconds_to_full_rate`.
+            rate again, for `seconds_rejoin_to_full_rate` (the first whole bin
+            after the rejoin at that rate; from the rejoin, since on a
+            CPU-bound host the survivors alone may reach it).
 
     Returns:
         Per window its figures (mean examples/s, the slowest bin, per
@@ -443,9 +445,9 @@ def summarize(
         return value / before if value is not None and before else None
 
     first_full = None
-    if restart is not None and before:
+    if rejoined is not None and before:
         for r in rows:
-            if r["start"] >= restart and r["examples_per_second"] >= full_rate * before:
+            if r["start"] >= rejoined and r["examples_per_second"] >= full_rate * before:
                 first_full = r["end"]
                 break
     first_update = None
@@ -473,6 +475,6 @@ def summarize(
         "seconds_serving_to_rejoin": since(events.get("serving"), rejoined),
         "seconds_restart_to_rejoin": since(restart, rejoined),
         "seconds_rejoin_to_first_update": since(rejoined, first_update),
-        "seconds_restart_to_full_rate": since(restart, first_full),
+        "seconds_rejoin_to_full_rate": since(rejoined, first_full),
         "full_rate": full_rate,
     }

@@ -87,7 +87,7 @@ def test_summarize_reads_each_window_and_the_delays():
     assert out["seconds_restart_to_serving"] == pytest.approx(6.0)
     assert out["seconds_restart_to_rejoin"] == pytest.approx(7.0)
     assert out["seconds_rejoin_to_first_update"] == pytest.approx(0.75)
-    assert out["seconds_restart_to_full_rate"] == pytest.approx(9.0)  # bin [23, 24) ends at 24
+    assert out["seconds_rejoin_to_full_rate"] == pytest.approx(2.0)  # bin [23, 24) ends at 24
 
 
 def test_summarize_without_a_rejoin_leaves_the_after_window_empty():
