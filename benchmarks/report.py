@@ -1370,21 +1370,28 @@ def _fault_timeline_section(results) -> list[str]:
     ]
     errors = [_root_line(e) for e in row["replica_errors"] if e]
     if errors:
+        counts = {e: errors.count(e) for e in dict.fromkeys(errors)}
         lines += [
-            "The error that last made the killed worker's replica lost, per run: "
-            + "; ".join(f"`{e}`" for e in errors),
+            "The error that last made the killed worker's replica lost: "
+            + "; ".join(f"`{e}` ({n} of {row['runs']} runs)" for e, n in counts.items()),
             "",
         ]
     return lines
 
 
 def _root_line(error: str) -> str:
-    """A runtime error's root cause line (`(0) INVALID_ARGUMENT: ...`), else its first."""
-    for line in error.splitlines():
-        found = re.match(r"\s*\(\d+\)\s+[A-Z_]+:\s*(.+)", line)
+    """A runtime error's own sentence: its root cause, else its first line past the framing."""
+    kind = error.split(":", 1)[0]
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for line in lines:
+        found = re.match(r"\(\d+\)\s+[A-Z_]+:\s*(.+)", line)
         if found:
-            return f"{error.split(':', 1)[0]}: {found.group(1).strip()}"[:300]
-    return error.splitlines()[0][:300] if error else ""
+            return f"{kind}: {found.group(1).strip()}"[:300]
+    framing = ("Graph execution error", "Detected at node", "<stack traces", "defined at")
+    for line in lines[1:]:
+        if not line.startswith(framing):
+            return f"{kind}: {line}"[:300]
+    return lines[0][:300] if lines else ""
 
 
 def fault_timeline_summary(results: dict[str, Any]) -> list[str]:
