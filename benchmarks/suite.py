@@ -478,7 +478,7 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated workloads to run, of: "
         + ", ".join(plans.WORKLOADS)
         + " (default: the preset's, which leave out high_staleness; the smoke preset "
-        "also leaves out control and cluster)",
+        "also leaves out control, cluster and fault_timeline)",
     )
     parser.add_argument(
         "--device",
