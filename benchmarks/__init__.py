@@ -16,6 +16,8 @@ reports medians. Modules:
   ParameterServerStrategy (whose environment has no `tf_diffmap`);
 - `worker`: runs one session (one contender, one device count) and prints JSON;
 - `suite`: the command line, calibration, interleaved repeats;
+- `timeline`: the fault timeline's threads (sampling the strategy's counters,
+  killing and restarting a worker) and its arithmetic (rates per second);
 - `report`: medians, the issue's targets, `results.md`;
 - `plots`: the PNG figures.
 

@@ -144,6 +144,11 @@ class Runtime:
             self.close()
             raise
 
+    @property
+    def local_cluster(self):
+        """The `tf_diffmap.cluster.LocalCluster` of `tf_diffmap_cluster`, else None."""
+        return self._servers if self.name == "tf_diffmap_cluster" else None
+
     def close(self) -> None:
         """Stops the localhost cluster this runtime started, if any."""
         if self._servers is not None:

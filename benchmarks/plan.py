@@ -31,6 +31,7 @@ WORKLOADS = (
     "points",
     "control",
     "cluster",
+    "fault_timeline",
     "high_staleness",
 )
 
@@ -127,6 +128,23 @@ class Plan:
         cluster_examples_per_epoch: examples of one epoch there.
         cluster_min_epochs: a cluster window lasts at least this many epochs...
         cluster_min_seconds: ... and at least this many seconds.
+        fault_workers: worker tasks (one replica each) of the fault timeline's
+            localhost cluster; it trains the cluster workload's model, batch
+            size and learning rate, on `fault_ps` ps tasks.
+        fault_ps: its parameter-server tasks.
+        fault_worker: the worker task killed and restarted.
+        fault_seconds: the wall time of its `fit`.
+        fault_kill_at: seconds into the `fit` when the worker is killed (SIGKILL).
+        fault_restart_at: seconds into the `fit` when it is started again at
+            its address (the rejoin follows once it serves).
+        fault_sample_seconds: how often the strategy's counters are read.
+        fault_bin_seconds: the width of a bin of the timeline.
+        fault_warmup_seconds: bins skipped at the start of the `fit` (its own
+            start-up), before the rate before the kill is measured.
+        fault_settle_seconds: bins skipped after the rejoin, before the rate
+            after it is measured.
+        fault_full_rate: the share of the rate before the kill that counts as
+            the full rate again (the time to the full rate, and the target).
     """
 
     name: str
@@ -174,6 +192,7 @@ class Plan:
         "points",
         "control",
         "cluster",
+        "fault_timeline",
     )
     high_staleness_devices: int = 4
     high_staleness_replicas_per_device: int = 4
@@ -207,16 +226,29 @@ class Plan:
     cluster_examples_per_epoch: int = 4096
     cluster_min_epochs: int = 3
     cluster_min_seconds: float = 3.0
+    fault_workers: int = 3
+    fault_ps: int = 1
+    fault_worker: int = 2
+    fault_seconds: float = 120.0
+    fault_kill_at: float = 15.0
+    fault_restart_at: float = 30.0
+    fault_sample_seconds: float = 0.25
+    fault_bin_seconds: float = 1.0
+    fault_warmup_seconds: float = 3.0
+    fault_settle_seconds: float = 2.0
+    fault_full_rate: float = 0.95
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 PRESETS = {
-    # 25 minutes on a 2-core host (`--repeats 2` for about two thirds of that).
+    # 25 minutes on a 2-core host, and about 8 more for the fault timeline's three
+    # runs of 120 s (`--repeats 2` for about two thirds of that).
     "full": Plan(name="full", repeats=3),
     # About 7 minutes on a 2-core host: 4 replicas (and 1 for the overhead),
-    # MLP only, tf.data input only, 2 repeats.
+    # MLP only, tf.data input only, 2 repeats; and 3 more for two fault timelines
+    # of 60 s.
     "quick": Plan(
         name="quick",
         repeats=2,
@@ -235,6 +267,9 @@ PRESETS = {
         control_min_seconds=1.0,
         cluster_examples_per_epoch=2048,
         cluster_min_seconds=1.5,
+        fault_seconds=60.0,
+        fault_kill_at=10.0,
+        fault_restart_at=20.0,
     ),
     # Two sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
@@ -259,7 +294,7 @@ PRESETS = {
         points_replicas=2,
         points_epochs=1,
         points_rounds=1,
-        # Their own smoke test runs control and cluster (`--only control,cluster`).
+        # Their own smoke tests run control, cluster and fault_timeline (`--only ...`).
         workloads=("throughput", "straggler", "accuracy", "points"),
         control_steps_per_epoch=32,
         control_steps_per_loop=(32,),
@@ -268,6 +303,10 @@ PRESETS = {
         cluster_examples_per_epoch=512,
         cluster_min_epochs=1,
         cluster_min_seconds=0.0,
+        fault_seconds=20.0,
+        fault_kill_at=4.0,
+        fault_restart_at=7.0,
+        fault_warmup_seconds=1.0,
     ),
 }
 
@@ -390,6 +429,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         out += _control_sessions(plan)
     if "cluster" in plan.workloads:
         out += _cluster_sessions(plan)
+    if "fault_timeline" in plan.workloads:
+        out.append(_fault_timeline_session(plan))
     if "high_staleness" in plan.workloads:
         out += _high_staleness_sessions(plan)
     return out
@@ -453,6 +494,34 @@ def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
         }
         for contender in plan.cluster_contenders
     ]
+
+
+def _fault_timeline_session(plan: Plan) -> dict[str, Any]:
+    """tf_diffmap on a localhost cluster, one of whose workers is killed and restarted."""
+    return {
+        "contender": "tf_diffmap_cluster",
+        "replicas": plan.fault_workers,
+        "cluster": {"workers": plan.fault_workers, "ps": plan.fault_ps},
+        "seed": plan.seed,
+        "tasks": [
+            {
+                "kind": "fault_timeline",
+                "model": plan.cluster_model,
+                "batch_size": plan.cluster_batch_size,
+                "learning_rate": plan.learning_rate,
+                "examples_per_epoch": plan.cluster_examples_per_epoch,
+                "worker": plan.fault_worker,
+                "seconds": plan.fault_seconds,
+                "kill_at": plan.fault_kill_at,
+                "restart_at": plan.fault_restart_at,
+                "sample_seconds": plan.fault_sample_seconds,
+                "bin_seconds": plan.fault_bin_seconds,
+                "warmup_seconds": plan.fault_warmup_seconds,
+                "settle_seconds": plan.fault_settle_seconds,
+                "full_rate": plan.fault_full_rate,
+            }
+        ],
+    }
 
 
 def _high_staleness_sessions(plan: Plan) -> list[dict[str, Any]]:

@@ -187,6 +187,131 @@ def _memory(results, path: Path, plt) -> bool:
     return True
 
 
+# Processes of the fault timeline's CPU panel, bottom to top, and their colors.
+PROCESS_COLORS = {"chief": "#d62728", "ps": "#9467bd", "worker": "#1f77b4", "other": "#bbbbbb"}
+
+
+def _fault_timeline(results, path: Path, plt) -> bool:
+    rows = results.get("fault_timeline") or []
+    if not rows or not rows[0]["timelines"]:
+        return False
+    row = rows[0]
+    timelines = row["timelines"]
+    # The run whose outage share is the median one, drawn in full.
+    ordered = sorted(timelines, key=lambda t: t["summary"].get("outage_share") or 0.0)
+    median = ordered[(len(ordered) - 1) // 2]
+    before = row["before_examples_per_second"]["median"]
+    workers = row["workers"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9.5), sharex=True)
+    events = [
+        (row["kill_at"], f"worker {row['killed_worker']} killed", "black", "-"),
+        (row["restart_at"], "restarted", "black", "--"),
+    ]
+
+    def mark(ax, timeline, labels):
+        for x, text, color, style in events:
+            ax.axvline(x, color=color, linestyle=style, linewidth=1, label=text if labels else None)
+        rejoined = timeline["events"].get("rejoined")
+        if rejoined is not None:
+            ax.axvline(
+                rejoined,
+                color="#2ca02c",
+                linestyle="-.",
+                linewidth=1.2,
+                label="rejoined" if labels else None,
+            )
+        serving = timeline["events"].get("serving")
+        if serving is not None:
+            ax.axvline(
+                serving,
+                color="#ff7f0e",
+                linestyle=":",
+                linewidth=1.2,
+                label="new server serves" if labels else None,
+            )
+
+    def centers(timeline):
+        return [s + 0.5 for s in timeline["start"]]
+
+    ax = axes[0]
+    for i, timeline in enumerate(timelines):
+        main = timeline is median
+        ax.plot(
+            centers(timeline),
+            timeline["examples_per_second"],
+            color="#d62728" if main else "#d62728",
+            alpha=1.0 if main else 0.3,
+            linewidth=1.6 if main else 0.9,
+            label="examples/s, median run"
+            if main
+            else ("other runs" if i == 0 or (i == 1 and timelines[0] is median) else None),
+        )
+    if before:
+        ax.axhline(before, color="#555555", linewidth=0.8, label="rate before the kill")
+        ax.axhline(
+            before * (workers - 1) / workers,
+            color="#555555",
+            linestyle=":",
+            linewidth=0.8,
+            label=f"surviving workers' share ({workers - 1}/{workers})",
+        )
+    mark(ax, median, True)
+    ax.set_ylabel("examples / s (1-s bins)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"{workers} workers + ps + chief on one 2-core host: worker {row['killed_worker']} "
+        f"killed at {row['kill_at']:g} s, restarted at {row['restart_at']:g} s",
+        fontsize=10,
+    )
+    ax.legend(fontsize=7, loc="lower left", ncol=2)
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    per_replica = list(zip(*median["replica_examples_per_second"]))
+    for r, series in enumerate(per_replica):
+        device = row["devices"][r]
+        task = device.split("/task:")[1].split("/")[0] if "/task:" in device else str(r)
+        ax.plot(centers(median), series, linewidth=1.2, label=f"worker {task}")
+    mark(ax, median, False)
+    ax.set_ylabel("examples / s per worker")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper left", ncol=workers)
+    ax.grid(alpha=0.3)
+
+    ax = axes[2]
+    groups: dict[str, list[float]] = {}
+    for cores in median["cpu_cores"]:
+        for name in PROCESS_COLORS:
+            groups.setdefault(name, [])
+        totals = dict.fromkeys(PROCESS_COLORS, 0.0)
+        for name, value in cores.items():
+            if value is None or name == "host":
+                continue
+            kind = "other" if name.startswith("other") else name.split(" ")[0]
+            totals[kind] = totals.get(kind, 0.0) + value
+        for name in PROCESS_COLORS:
+            groups[name].append(totals[name])
+    ax.stackplot(
+        centers(median),
+        *[groups[n] for n in PROCESS_COLORS],
+        labels=["chief", "ps", "workers", "rest of the host"],
+        colors=list(PROCESS_COLORS.values()),
+        alpha=0.85,
+    )
+    cpus = results.get("machine", {}).get("logical_cpus")
+    if cpus:
+        ax.axhline(cpus, color="black", linewidth=0.8)
+    mark(ax, median, False)
+    ax.set_ylabel("CPU cores in use")
+    ax.set_xlabel("seconds of wall time since fit began")
+    ax.legend(fontsize=7, loc="lower left", ncol=4)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_all(results: dict[str, Any], out_dir: Path) -> list[str]:
     """Writes every figure the results allow; returns their file names."""
     plt = _pyplot()
@@ -196,6 +321,7 @@ def write_all(results: dict[str, Any], out_dir: Path) -> list[str]:
         ("straggler.png", _straggler),
         ("time_to_accuracy.png", _accuracy),
         ("memory.png", _memory),
+        ("fault_timeline.png", _fault_timeline),
     ):
         if draw(results, Path(out_dir) / name, plt):
             written.append(name)

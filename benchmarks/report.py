@@ -9,6 +9,7 @@ and whether it was met.
 from __future__ import annotations
 
 import datetime
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterator
@@ -84,11 +85,26 @@ TARGETS = (
         ">=",
         3.0,
     ),
+    # The threshold of fault_outage is the surviving workers' share, (W - 1) / W:
+    # 2/3 with the presets' 3 workers (`_fault_targets` sets it from the plan).
+    (
+        "fault_outage",
+        "Fault timeline: examples/s while a worker is down / before it was killed",
+        ">=",
+        2 / 3,
+    ),
+    (
+        "fault_after",
+        "Fault timeline: examples/s after the restarted worker rejoined / before it was killed",
+        ">=",
+        0.95,
+    ),
 )
 
 # The targets each workload's own section shows (the rest are the timed ones).
 CONTROL_TARGETS = ("control_spe16", "control_spe1")
 CLUSTER_TARGETS = ("cluster_vs_in_process", "cluster_vs_parameter_server")
+FAULT_TARGETS = ("fault_outage", "fault_after")
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
 
@@ -421,8 +437,9 @@ def _cluster(runs) -> list[dict[str, Any]]:
     return rows
 
 
-def _target(key: str, measured, note: str = "") -> dict[str, Any]:
+def _target(key: str, measured, note: str = "", target: float | None = None) -> dict[str, Any]:
     text, op, value = next((d, o, v) for k, d, o, v in TARGETS if k == key)
+    value = value if target is None else target
     met = None if measured is None else (measured >= value if op == ">=" else measured <= value)
     return {
         "key": key,
@@ -473,13 +490,137 @@ def _cluster_targets(cluster, tf_keras) -> list[dict[str, Any]]:
     ]
 
 
+# The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
+FAULT_WINDOWS = ("before", "outage", "restarting", "after")
+FAULT_DELAYS = (
+    ("seconds_kill_to_lost", "kill → replica marked lost"),
+    ("seconds_restart_to_serving", "restart → new server serves"),
+    ("seconds_serving_to_rejoin", "serves → replica rejoined"),
+    ("seconds_restart_to_rejoin", "restart → rejoined"),
+    ("seconds_rejoin_to_first_update", "rejoined → its first update"),
+    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate"),
+)
+
+
+def _fault_timeline(runs) -> list[dict[str, Any]]:
+    """The fault timeline: medians over runs of each window's rate and each delay.
+
+    Every run's own series (per bin: examples/s, per replica, CPU cores of
+    each process) is kept in `timelines`, for the plot.
+    """
+    results = [{**result, "_task": task} for _, task, result in _tasks(runs, "fault_timeline")]
+    if not results:
+        return []
+    task = results[0]["_task"]
+    summaries = [r["summary"] for r in results]
+
+    def window(name, field):
+        return _spread(s["windows"][name][field] for s in summaries)
+
+    def per_replica(name):
+        values = [s["windows"][name]["replica_examples_per_second"] for s in summaries]
+        values = [v for v in values if v]
+        return [_median(v[i] for v in values) for i in range(len(values[0]))] if values else []
+
+    def cores(name):
+        found = [s["windows"][name]["cpu_cores"] for s in summaries]
+        names = list(dict.fromkeys(n for f in found for n in f))
+        return {n: _median(f.get(n) for f in found) for n in names}
+
+    lost = results[0]["lost_replicas"]
+    return [
+        {
+            "contender": "tf_diffmap_cluster",
+            "label": label("tf_diffmap_cluster"),
+            "workers": len(results[0]["devices"]),
+            "devices": results[0]["devices"],
+            "killed_worker": results[0]["killed_worker"],
+            "lost_replicas": lost,
+            "input": task.get("input", "dataset"),
+            "steps_per_epoch": task.get("steps_per_epoch"),
+            "seconds": task["seconds"],
+            "kill_at": task["kill_at"],
+            "restart_at": task["restart_at"],
+            "windows": {
+                name: {
+                    "examples_per_second": window(name, "examples_per_second"),
+                    "min_examples_per_second": window(name, "min_examples_per_second"),
+                    "bin_cv": _median(s["windows"][name]["bin_cv"] for s in summaries),
+                    "bins": _median(s["windows"][name]["bins"] for s in summaries),
+                    "replica_examples_per_second": per_replica(name),
+                    "cpu_cores": cores(name),
+                }
+                for name in FAULT_WINDOWS
+            },
+            "before_examples_per_second": _spread(
+                s["before_examples_per_second"] for s in summaries
+            ),
+            "outage_share": _spread(s["outage_share"] for s in summaries),
+            "restarting_share": _spread(s["restarting_share"] for s in summaries),
+            "after_share": _spread(s["after_share"] for s in summaries),
+            "delays": {key: _spread(s[key] for s in summaries) for key, _ in FAULT_DELAYS},
+            "full_rate": summaries[0]["full_rate"],
+            "rejoined_runs": sum(s["seconds_restart_to_rejoin"] is not None for s in summaries),
+            "trained_after_rejoin_runs": sum(
+                s["seconds_rejoin_to_first_update"] is not None for s in summaries
+            ),
+            "times_lost": [sum(r["replica_lost_counts"][i] for i in lost) for r in results],
+            "restart_cpu_seconds": _spread(r["events"].get("restart_cpu_seconds") for r in results),
+            "abandoned": [r["abandoned"] for r in results],
+            "replica_errors": [
+                next((r["replica_errors"][i] for i in lost if r["replica_errors"][i]), None)
+                for r in results
+            ],
+            "script_errors": [r["script_error"] for r in results if r["script_error"]],
+            "timelines": [
+                {
+                    "events": r["events"],
+                    "summary": {k: v for k, v in r["summary"].items() if k != "windows"},
+                    "start": [b["start"] for b in r["bins"]],
+                    "examples_per_second": [b["examples_per_second"] for b in r["bins"]],
+                    "replica_examples_per_second": [
+                        b["replica_examples_per_second"] for b in r["bins"]
+                    ],
+                    "cpu_cores": [b["cpu_cores"] for b in r["bins"]],
+                }
+                for r in results
+            ],
+            "runs": len(results),
+        }
+    ]
+
+
+def _fault_targets(plan, rows) -> list[dict[str, Any]]:
+    row = rows[0] if rows else None
+    workers = plan.fault_workers
+    survivors = (workers - 1) / workers
+    return [
+        _target(
+            "fault_outage",
+            row["outage_share"]["median"] if row else None,
+            note=f"the surviving workers' share: {workers - 1} of {workers}",
+            target=survivors,
+        ),
+        _target(
+            "fault_after",
+            row["after_share"]["median"] if row else None,
+            note=f"the full rate, within {1 - plan.fault_full_rate:.0%}"
+            + (
+                ""
+                if not row or row["rejoined_runs"] == row["runs"]
+                else f"; the worker rejoined in {row['rejoined_runs']} of {row['runs']} runs"
+            ),
+        ),
+    ]
+
+
 def _memory(runs, max_staleness) -> list[dict[str, Any]]:
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for run in runs:
         session = run["result"]
         if session.get("status") != "ok":
             continue
-        if {t["kind"] for t in run["config"]["tasks"]} <= {"control", "cluster"}:
+        if {t["kind"] for t in run["config"]["tasks"]} <= {"control", "cluster", "fault_timeline"}:
             continue  # their own sessions, not the timed contenders' memory
         first = (session.get("tasks") or [None])[0]
         after_first = None
@@ -671,11 +812,14 @@ def build(
     accuracy = _accuracy(runs, plan.max_staleness)
     control = _control(runs)
     cluster = _cluster(runs)
+    fault_timeline = _fault_timeline(runs)
     targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
     if "control" in plan.workloads:
         targets += _control_targets(control)
     if "cluster" in plan.workloads:
         targets += _cluster_targets(cluster, tf_keras)
+    if "fault_timeline" in plan.workloads:
+        targets += _fault_targets(plan, fault_timeline)
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -696,6 +840,7 @@ def build(
         "points": _points(runs),
         "control": control,
         "cluster": cluster,
+        "fault_timeline": fault_timeline,
         "targets": targets,
         "errors": _errors(runs),
         "sessions": runs,
@@ -729,14 +874,14 @@ def _contenders_in(rows) -> list[str]:
 
 def _targets_table(results, keys=None) -> list[str]:
     """The targets table: of `keys`, or by default of the timed workloads."""
-    own = CONTROL_TARGETS + CLUSTER_TARGETS
+    own = CONTROL_TARGETS + CLUSTER_TARGETS + FAULT_TARGETS
     lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
     for t in results["targets"]:
         if (t["key"] not in keys) if keys is not None else (t["key"] in own):
             continue
         unit = t["unit"]
         measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
-        target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:g}{unit}"
+        target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:.3g}{unit}"
         result = {True: "**met**", False: "**missed**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['description']} | {measured} | {target} | {result} | {t['note']} |")
     return lines
@@ -1024,6 +1169,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += _control_section(results)
     if "cluster" in workloads:
         lines += _cluster_section(results)
+    if "fault_timeline" in workloads:
+        lines += _fault_timeline_section(results)
     if "high_staleness" in workloads:
         lines += _high_staleness_section(results)
     if results.get("figures"):
@@ -1138,6 +1285,131 @@ def _cluster_section(results) -> list[str]:
     return lines
 
 
+def _fault_timeline_section(results) -> list[str]:
+    plan = results["plan"]
+    rows = results.get("fault_timeline") or []
+    workers, killed = plan["fault_workers"], plan["fault_worker"]
+    lines = [
+        f"## Fault timeline: {workers} workers + {plan['fault_ps']} ps + chief on localhost, "
+        f"worker {killed} killed and restarted",
+        "",
+    ]
+    if not rows:
+        return lines + ["(not run)", ""]
+    row = rows[0]
+    names = [_short(d) for d in row["devices"]]
+    processes = [n for n in row["windows"]["before"]["cpu_cores"] if n != "host"]
+    lines += [
+        "| Window | examples/s | of the rate before | slowest bin | "
+        + " | ".join(f"{n} examples/s" for n in names)
+        + " | CPU cores: "
+        + ", ".join(processes)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
+    ]
+    shares = {
+        "before": None,
+        "outage": row["outage_share"],
+        "restarting": row["restarting_share"],
+        "after": row["after_share"],
+    }
+    spans = {
+        "before": f"{plan['fault_warmup_seconds']:g} s to the kill",
+        "outage": "kill to restart",
+        "restarting": "restart to rejoin",
+        "after": f"{plan['fault_settle_seconds']:g} s after the rejoin to the end",
+    }
+    for name in FAULT_WINDOWS:
+        w = row["windows"][name]
+        share = shares[name]
+        cpu = w["cpu_cores"]
+        lines.append(
+            f"| {name} ({spans[name]}) | {_cell(w['examples_per_second'])} | "
+            + (
+                "–"
+                if share is None
+                else "n/a"
+                if share["median"] is None
+                else f"{share['median']:.2f}x"
+                + (f" ({share['min']:.2f}–{share['max']:.2f})" if len(share["values"]) > 1 else "")
+            )
+            + f" | {_num(w['min_examples_per_second']['median'])} | "
+            + " | ".join(_num(v) for v in w["replica_examples_per_second"])
+            + ("" if w["replica_examples_per_second"] else " | ".join("n/a" for _ in names))
+            + " | "
+            + ", ".join(_num(cpu.get(n), 2) for n in processes)
+            + " |"
+        )
+    lines += ["", "| Delay (median over the runs where it happened) | seconds |", "| --- | --- |"]
+    for key, text in FAULT_DELAYS:
+        lines.append(f"| {text} | {_cell(row['delays'][key], 2)} |")
+    source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
+    lines += [
+        "",
+        *_targets_table(results, FAULT_TARGETS),
+        "",
+        f"{MODELS[plan['cluster_model']]['description']} on digits-shaped random data, "
+        f"global batch {plan['cluster_batch_size']}, Adam {plan['learning_rate']:g}, on "
+        f"`LocalCluster(workers={workers}, ps={plan['fault_ps']})` (one replica per worker "
+        f"task), input: {source}. One `fit` runs for {row['seconds']:g} s of wall time; "
+        f"worker {killed}'s process is killed (SIGKILL) at {row['kill_at']:g} s and "
+        f"started again at its address at {row['restart_at']:g} s. A thread reads "
+        "`strategy.statistics()` (examples per replica) and `replica_states()` every "
+        f"{plan['fault_sample_seconds']:g} s, and the CPU time of each process from "
+        f"`/proc`; rates are per {plan['fault_bin_seconds']:g}-s bin of wall time, each "
+        "window's figure the mean of its bins, then the median over "
+        f"{row['runs']} run(s) (min–max in brackets). CPU cores: CPU seconds per second "
+        "of each process in the window (`other processes`: the rest of the host, which "
+        "is shared). The restarted worker rejoined in "
+        f"{row['rejoined_runs']} of {row['runs']} run(s) and applied updates after its "
+        f"rejoin in {row['trained_after_rejoin_runs']}; its replica was marked lost "
+        f"{', '.join(str(n) for n in row['times_lost'])} time(s) in each run (the kill "
+        "itself once, then once per failed rejoin). The new server used "
+        f"{_num(row['restart_cpu_seconds']['median'], 1)} CPU seconds until it served.",
+        "",
+    ]
+    errors = [_root_line(e) for e in row["replica_errors"] if e]
+    if errors:
+        counts = {e: errors.count(e) for e in dict.fromkeys(errors)}
+        lines += [
+            "The error that last made the killed worker's replica lost: "
+            + "; ".join(f"`{e}` ({n} of {row['runs']} runs)" for e, n in counts.items()),
+            "",
+        ]
+    return lines
+
+
+def _root_line(error: str) -> str:
+    """A runtime error's own sentence: its root cause, else its first line past the framing."""
+    kind = error.split(":", 1)[0]
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    for line in lines:
+        found = re.match(r"\(\d+\)\s+[A-Z_]+:\s*(.+)", line)
+        if found:
+            return f"{kind}: {found.group(1).strip()}"[:300]
+    framing = ("Graph execution error", "Detected at node", "<stack traces", "defined at")
+    for line in lines[1:]:
+        if not line.startswith(framing):
+            return f"{kind}: {line}"[:300]
+    return lines[0][:300] if lines else ""
+
+
+def fault_timeline_summary(results: dict[str, Any]) -> list[str]:
+    """Lines the suite prints: each window's rate, the rejoin, the targets."""
+    lines = []
+    for row in results.get("fault_timeline") or []:
+        w = row["windows"]
+        lines.append(
+            "fault timeline: examples/s before "
+            f"{_num(w['before']['examples_per_second']['median'])}, while a worker is down "
+            f"{_num(w['outage']['examples_per_second']['median'])}, after the rejoin "
+            f"{_num(w['after']['examples_per_second']['median'])}; restart to rejoin "
+            f"{_num(row['delays']['seconds_restart_to_rejoin']['median'], 1)} s "
+            f"(rejoined in {row['rejoined_runs']} of {row['runs']} runs)"
+        )
+    return lines + _target_lines(results, FAULT_TARGETS)
+
+
 def _short(device: str) -> str:
     """`/job:worker/replica:0/task:1/device:CPU:0` as `worker 1 CPU:0`."""
     parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
@@ -1180,7 +1452,7 @@ def _target_lines(results, keys) -> list[str]:
             verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
             lines.append(
                 f"  {t['description']}: {measured} (target {t['comparison']} "
-                f"{t['target']:g}x): {verdict}"
+                f"{t['target']:.3g}x): {verdict}"
             )
     return lines
 

@@ -397,7 +397,7 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
             (out_dir / "results.md").write_text(report.markdown(results))
     for line in report.points_summary(results) + report.control_summary(results):
         _log(line)
-    for line in report.cluster_summary(results):
+    for line in report.cluster_summary(results) + report.fault_timeline_summary(results):
         _log(line)
     _log(f"wrote {out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s")
     return results
@@ -478,7 +478,7 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated workloads to run, of: "
         + ", ".join(plans.WORKLOADS)
         + " (default: the preset's, which leave out high_staleness; the smoke preset "
-        "also leaves out control and cluster)",
+        "also leaves out control, cluster and fault_timeline)",
     )
     parser.add_argument(
         "--device",

@@ -27,6 +27,10 @@ Tasks:
   (under tf_diffmap) updates per second, from the median epoch.
 - `cluster`: examples per second of the wide MLP on a localhost cluster (or
   the same replicas in one process), and each replica's time per update.
+- `fault_timeline` (tf_diffmap on a localhost cluster only): examples/s per
+  second of wall time while one worker is killed (SIGKILL) and restarted at
+  the same address, per replica, with each process' CPU time (see
+  `benchmarks.timeline`).
 - `points` (tf_diffmap only): what `StalenessTensorBoard(update_freq="batch")`
   costs on digits: the CPU time of a point, and `fit` without the callback,
   with every point, and with the default overhead budget.
@@ -470,6 +474,117 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     return out
 
 
+def run_fault_timeline(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Examples/s per second of wall time while a worker is killed and restarted.
+
+    One `fit` of the cluster workload's model runs for `seconds` of wall
+    time (its epoch is longer than that; the script ends it), while
+    `timeline.FaultScript` kills worker `worker` at `kill_at` and restarts it
+    at `restart_at`, and `timeline.Sampler` reads the strategy's counters
+    every `sample_seconds`.
+    """
+    from benchmarks import timeline
+
+    local = rt.local_cluster
+    if local is None:
+        raise ValueError(
+            "The fault_timeline task kills and restarts a worker of a localhost cluster: "
+            f"run it under the tf_diffmap_cluster contender, not {rt.name!r}."
+        )
+    index = task["worker"]
+    task_name = f"/job:worker/replica:0/task:{index}/"
+    lost_replicas = [r for r, d in enumerate(rt.devices) if d.startswith(task_name)]
+    if not lost_replicas:
+        raise ValueError(f"No replica on worker {index}; the replicas are on {rt.devices}.")
+    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_model(rt.keras, task["model"])
+        _compile(rt, model, rt.optimizer(task["learning_rate"]))
+    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+
+    def processes() -> dict[str, int]:
+        return {"chief": os.getpid(), **{f"{j} {i}": pid for (j, i), pid in local.pids.items()}}
+
+    def kill() -> int:
+        pid = local.pids[("worker", index)]
+        local.kill("worker", index)  # SIGKILL to that pid, through its process handle
+        return pid
+
+    restarted: dict[str, Any] = {}
+
+    def restart() -> int:
+        pid = local.restart("worker", index)  # returns once the new server serves
+        restarted["restart_cpu_seconds"] = timeline.cpu_seconds(pid)
+        return pid
+
+    def finish() -> None:
+        model.stop_training = True  # Keras checks it after every step
+
+    sampler = timeline.Sampler(rt.strategy, processes, task["sample_seconds"])
+    script = timeline.FaultScript(
+        kill,
+        restart,
+        finish,
+        task["kill_at"],
+        task["restart_at"],
+        task["seconds"],
+    )
+    start = time.monotonic()
+    sampler.start(start)
+    script.start(start)
+    if task.get("input", "dataset") == "numpy":
+        inputs = {"x": x, "y": y, "batch_size": task["batch_size"], "shuffle": False}
+    else:
+        inputs = {
+            "x": workloads.dataset(x, y, task["batch_size"]),
+            # By default one epoch longer than the run: no drain at epoch ends.
+            "steps_per_epoch": task.get("steps_per_epoch") or 10**7,
+        }
+    try:
+        model.fit(**inputs, epochs=10**6, verbose=0)
+    finally:
+        fit_seconds = time.monotonic() - start
+        script.cancel()
+        script.join()
+        samples = sampler.stop()
+    events = {**script.events, **restarted, "fit_end": fit_seconds}
+    events.update(timeline.state_changes(samples, lost_replicas))
+    rows = timeline.bins(samples, task["bin_seconds"])
+    summary = timeline.summarize(
+        rows,
+        events,
+        lost_replicas,
+        samples,
+        warmup=task["warmup_seconds"],
+        settle=task["settle_seconds"],
+        full_rate=task["full_rate"],
+    )
+    stats = rt.strategy.statistics()
+    reports = rt.strategy.replica_states()
+    return {
+        "devices": list(rt.devices),
+        "killed_worker": index,
+        "lost_replicas": lost_replicas,
+        "warmup_fit_seconds": warmup,
+        "events": events,
+        "script_error": script.error,
+        "sampler_errors": sampler.errors,
+        "samples": len(samples),
+        "bins": rows,
+        "summary": summary,
+        "replica_lost_counts": [r.lost for r in reports],
+        # The runtime's error that last made each replica lost (None: never lost).
+        "replica_errors": [
+            None if r.error is None else f"{type(r.error).__name__}: {r.error}"[:1500]
+            for r in reports
+        ],
+        "abandoned": stats.abandoned,
+        "version": rt.strategy.version,
+        "updates": int(stats.updates.sum()),
+    }
+
+
 TASKS = {
     "throughput": run_throughput,
     "straggler": run_straggler,
@@ -478,6 +593,7 @@ TASKS = {
     "points": run_points,
     "control": run_control,
     "cluster": run_cluster,
+    "fault_timeline": run_fault_timeline,
 }
 
 

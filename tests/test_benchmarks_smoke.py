@@ -2,7 +2,10 @@
 
 No timing is asserted: the smoke preset's numbers mean nothing. It runs two
 sessions (plain Keras on one device; tf_diffmap on two with a straggler) in
-subprocesses at once, which takes about 20 to 40 seconds on a 2-core host.
+subprocesses at once, which takes about 20 to 40 seconds on a 2-core host;
+the control, cluster and fault-timeline workloads have tests of their own
+(the fault timeline's takes about a minute: a cluster of 3 workers, 20 s of
+training).
 """
 
 import importlib.util
@@ -187,3 +190,55 @@ def test_device_gpu_on_a_host_without_one_says_so():
     assert resolve_device("cpu", sys.executable) == ("cpu", 0)
     with pytest.raises(SystemExit, match="sees no GPU"):
         resolve_device("gpu", sys.executable)
+
+
+@pytest.mark.slow
+def test_smoke_fault_timeline(tmp_path):
+    """The fault timeline runs: a worker of 3 is killed, the others go on, a plot is drawn.
+
+    Its numbers mean nothing here (20 s; the restarted server may not even
+    serve in that time on a busy host), so only their shape is checked.
+    """
+    plots = importlib.util.find_spec("matplotlib") is not None
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--smoke",
+        "--only",
+        "fault_timeline",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
+    if not plots:
+        command.append("--no-plots")
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _strict_json((tmp_path / "results.json").read_text())
+    assert results["errors"] == [], results["errors"]
+
+    (row,) = results["fault_timeline"]
+    assert row["workers"] == 3 and row["killed_worker"] == 2 and row["lost_replicas"] == [2]
+    assert row["script_errors"] == []
+    before, outage = row["windows"]["before"], row["windows"]["outage"]
+    assert before["examples_per_second"]["median"] > 0
+    assert outage["examples_per_second"]["median"] > 0  # the survivors went on
+    # The killed worker did nothing (but what sampling smears into the first bin).
+    killed = outage["replica_examples_per_second"][2]
+    assert killed < 0.2 * before["replica_examples_per_second"][2]
+    assert row["delays"]["seconds_kill_to_lost"]["median"] is not None
+    assert row["times_lost"][0] >= 1
+    (timeline,) = row["timelines"]
+    assert len(timeline["examples_per_second"]) >= 15  # one per second of the 20 s run
+    assert {"chief", "ps 0", "worker 0"} <= set(timeline["cpu_cores"][0])
+
+    targets = {t["key"]: t for t in results["targets"]}
+    assert targets["fault_outage"]["target"] == pytest.approx(2 / 3)
+    assert targets["fault_outage"]["met"] in (True, False)
+    assert "## Fault timeline" in (tmp_path / "results.md").read_text()
+    assert "fault timeline: examples/s before" in proc.stderr
+    if plots:
+        assert "fault_timeline.png" in results["figures"]
+        assert (tmp_path / "fault_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
