@@ -387,7 +387,7 @@ class Program:
             flat = tf.cond(
                 self.fresh.read_value(),
                 lambda: self._dispatch_in_graph(shards),
-                lambda: self._first_step_in_graph(shards),
+                lambda: self._first_step_call(shards),
             )
         # Both ways end with a flag, so that a step without tensor outputs
         # still runs them; a counter snapshot, when one is due, follows.
@@ -399,6 +399,28 @@ class Program:
     def _one_replica_outputs(self, flat):
         """One replica step's outputs, marked as such for `strategy.reduce`."""
         return mark_one_replica(self._pack_outputs(flat), len(self.extended.replica_devices))
+
+    def _first_step_call(self, shards):
+        """The first step as a call that Keras' graph makes only when it runs.
+
+        The first step runs a replica step on a replica's device; were its
+        ops inlined into Keras' step, that step would span every replica
+        device, and TensorFlow would run each of Keras' steps as a
+        multi-device function (a partition and an executor per device, and
+        transfers between them) where one executor on the client host does.
+        Called, not inlined, it leaves Keras' step on the client host.
+        """
+        sizes = [len(shard) for shard in shards]
+
+        def first_step(*flat):
+            rebuilt, start = [], 0
+            for size in sizes:
+                rebuilt.append(list(flat[start : start + size]))
+                start += size
+            return self._first_step_in_graph(rebuilt)
+
+        call = tf.function(first_step, autograph=False, experimental_attributes={"_noinline": True})
+        return call(*[t for shard in shards for t in shard])
 
     def _first_step_in_graph(self, shards):
         extended = self.extended
