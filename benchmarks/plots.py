@@ -211,24 +211,15 @@ def _fault_timeline(results, path: Path, plt) -> bool:
     def mark(ax, timeline, labels):
         for x, text, color, style in events:
             ax.axvline(x, color=color, linestyle=style, linewidth=1, label=text if labels else None)
-        rejoined = timeline["events"].get("rejoined")
-        if rejoined is not None:
-            ax.axvline(
-                rejoined,
-                color="#2ca02c",
-                linestyle="-.",
-                linewidth=1.2,
-                label="rejoined" if labels else None,
-            )
-        serving = timeline["events"].get("serving")
-        if serving is not None:
-            ax.axvline(
-                serving,
-                color="#ff7f0e",
-                linestyle=":",
-                linewidth=1.2,
-                label="new server serves" if labels else None,
-            )
+        for key, color, style, text in (
+            ("rejoined", "#2ca02c", "-.", "rejoined"),
+            ("serving", "#ff7f0e", ":", "new server serves"),
+        ):
+            x = timeline["events"].get(key)
+            if x is not None:
+                ax.axvline(
+                    x, color=color, linestyle=style, linewidth=1.2, label=text if labels else None
+                )
 
     def centers(timeline):
         return [s + 0.5 for s in timeline["start"]]
