@@ -452,13 +452,17 @@ class StalenessTensorBoard(keras.callbacks.Callback):
                     "the callback's thread read them",
                     "The host was too busy to run that thread.",
                 )
+            # The ring takes a snapshot at each step while this reads it.
+            steps = self._fit_start_batch + read.indices - self._ring_start + 1
+            due = [
+                k
+                for k in range(len(read))
+                # An epoch's last is written at its end, once its updates landed.
+                if self._due(int(steps[k])) and not self._epoch_last(int(steps[k]))
+            ]
             shared = time.thread_time() - cpu  # counted with the points it brought
-            written: list[float] = []
-            for k in range(len(read)):
-                # The ring takes a snapshot at each step while this reads it.
-                step = self._fit_start_batch + int(read.indices[k]) - self._ring_start + 1
-                if not self._due(step) or self._epoch_last(step):
-                    continue  # an epoch's last is written at its end, once its updates landed
+            before = len(self._point_cpu)
+            while due:
                 if self._over_budget():
                     self._log_coarsening(
                         f"a point every {self._every} batch(es) would cost more than "
@@ -466,16 +470,61 @@ class StalenessTensorBoard(keras.callbacks.Callback):
                         "Pass a larger max_overhead, or max_overhead=None for every "
                         "point whatever it costs.",
                     )
-                    continue  # its batches count in the next point
+                    break  # their batches count in the next point
+                # Points go in chunks, the fit's first alone (its cost is not
+                # known yet): the budget is checked between chunks.
+                size = len(due) if self.max_overhead is None else 1 if not self._point_cpu else 16
+                chunk, due = due[:size], due[size:]
                 start = time.thread_time()
-                self._write(step, read.stats(k, self._snapshot), at=float(read.times[k]))
+                self._write_many(read, chunk, steps)
                 cost = time.thread_time() - start
                 self._spent += cost
-                written.append(cost)
+                self._point_cpu += [cost / len(chunk)] * len(chunk)
             self._spent += shared
-            self._point_cpu += [cost + shared / len(written) for cost in written]
+            new = len(self._point_cpu) - before
+            for n in range(before, len(self._point_cpu)):
+                self._point_cpu[n] += shared / new
         except BaseException as error:  # raised in the training thread, next batch
             self._point_error = self._point_error or error
+
+    def _write_many(self, read, keep: list[int], steps: np.ndarray) -> None:
+        """Writes the points of snapshots `keep` of `read`, in one go."""
+        now = read.stats(keep, self._snapshot)  # every array [K, ...]
+        before = self._snapshot
+        diffs = {}
+        for name in (
+            "updates",
+            "dropped",
+            "staleness_sum",
+            "histogram",
+            "examples",
+            "lr_scale_sum",
+        ):
+            later, earlier = getattr(now, name), getattr(before, name)
+            if later is None or earlier is None:
+                diffs[name] = None
+                continue
+            diffs[name] = np.diff(np.concatenate([np.asarray(earlier)[None], later]), axis=0)
+        # Counters that went back (`Strategy.reset_statistics()` in between):
+        # the point covers all the counts since then.
+        reset = (diffs["updates"] < 0).any(axis=1) | (diffs["dropped"] < 0).any(axis=1)
+        reset |= (diffs["histogram"] < 0).any(axis=(1, 2))
+        if reset.any():
+            for name, diff in diffs.items():
+                if diff is not None:
+                    diff[reset] = getattr(now, name)[reset]
+        intervals = StalenessStats(version=0, staleness_max=before.staleness_max, **diffs)
+        seconds, lost = [], []
+        for at in read.times[keep].tolist():
+            seconds.append(self._seconds_to(at))
+            self._interval_start = at
+            lost.append(self._lost_at(at))
+        self._writer.write_many(
+            [int(steps[k]) for k in keep], intervals, read.versions[keep], np.array(seconds), lost
+        )
+        last = keep[-1]
+        self._snapshot = read.stats(last, before)
+        self._last_point = int(steps[last])
 
     def _lost_at(self, at: float) -> np.ndarray | None:
         """Per replica, whether it was lost at time `at` or since the
@@ -523,16 +572,20 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def _start_interval(self) -> None:
         self._interval_start = time.time()
 
+    def _seconds_to(self, at: float) -> float:
+        """Training seconds from the current interval's start to `at`."""
+        paused = sum(
+            max(0.0, min(end, at) - max(start, self._interval_start)) for start, end in self._pauses
+        )
+        return max(at - self._interval_start - paused, 0.0)
+
     def _write(self, step: int, now: StalenessStats, at: float | None = None) -> None:
         """Writes the point of the interval from the previous one to `now`,
         taken at wall-clock time `at` (now by default)."""
         if at is None:
             at = time.time()
             self._replica_states = self._strategy().replica_states()
-        paused = sum(
-            max(0.0, min(end, at) - max(start, self._interval_start)) for start, end in self._pauses
-        )
-        seconds = max(at - self._interval_start - paused, 0.0)
+        seconds = self._seconds_to(at)
         self._writer.write(
             step, _interval(now, self._snapshot), now.version, seconds, self._lost_at(at)
         )

@@ -55,10 +55,14 @@ class Snapshots:
     def __len__(self) -> int:
         return len(self.indices)
 
-    def stats(self, k: int, like: StalenessStats) -> StalenessStats:
-        """Snapshot k as `StalenessStats` (the columns of `like`'s store)."""
+    def stats(self, k, like: StalenessStats) -> StalenessStats:
+        """Snapshot k as `StalenessStats` (the columns of `like`'s store).
+
+        With a list of snapshots `k`, every array has a leading dimension
+        for them (and `version` is the last one's).
+        """
         return counters_as_stats(
-            int(self.versions[k]),
+            int(np.max(self.versions[k])),
             self.counters[k],
             staleness_max=like.staleness_max,
             lr_scale_sum=self.lr_scale_sums[k],

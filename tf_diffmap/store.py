@@ -52,14 +52,18 @@ def counters_as_stats(
     lr_scale_sum: np.ndarray | None,
     abandoned: int,
 ) -> StalenessStats:
-    """`StalenessStats` from a value of `ParameterStore.counters` (views, no copy)."""
+    """`StalenessStats` from a value of `ParameterStore.counters` (views, no copy).
+
+    `counters` may carry leading dimensions (a stack of snapshots): every
+    array of the result then has them too.
+    """
     return StalenessStats(
         version=version,
-        updates=counters[:, _UPDATES],
-        dropped=counters[:, _DROPPED],
-        examples=counters[:, _EXAMPLES],
-        staleness_sum=counters[:, _STALENESS_SUM],
-        histogram=counters[:, _HISTOGRAM:],
+        updates=counters[..., _UPDATES],
+        dropped=counters[..., _DROPPED],
+        examples=counters[..., _EXAMPLES],
+        staleness_sum=counters[..., _STALENESS_SUM],
+        histogram=counters[..., _HISTOGRAM:],
         staleness_max=staleness_max,
         lr_scale_sum=lr_scale_sum,
         abandoned=abandoned,

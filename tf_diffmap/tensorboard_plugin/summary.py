@@ -96,45 +96,92 @@ def interval_figures(interval: StalenessStats, version: int, seconds: float) -> 
     Returns:
         An `IntervalFigures`.
     """
-    # A point per batch calls this in the callback's thread while the
-    # replicas run: few NumPy calls, each on every replica at once.
-    counts = np.asarray(interval.histogram, dtype=np.int64)
-    replicas, width = counts.shape
-    histogram = np.empty((replicas + 1, width), np.int64)
-    histogram[:replicas] = counts
-    counts.sum(axis=0, out=histogram[replicas])
+    (figures,) = interval_figures_many(
+        _stacked(interval), np.array([version]), np.array([float(seconds)])
+    )
+    return figures
+
+
+def _stacked(interval: StalenessStats) -> StalenessStats:
+    """One interval as a stack of one."""
+    return StalenessStats(
+        version=interval.version,
+        updates=np.asarray(interval.updates)[None],
+        dropped=np.asarray(interval.dropped)[None],
+        staleness_sum=np.asarray(interval.staleness_sum)[None],
+        staleness_max=interval.staleness_max,
+        histogram=np.asarray(interval.histogram)[None],
+        lr_scale_sum=None
+        if interval.lr_scale_sum is None
+        else np.asarray(interval.lr_scale_sum)[None],
+        examples=None if interval.examples is None else np.asarray(interval.examples)[None],
+    )
+
+
+def interval_figures_many(
+    intervals: StalenessStats, versions: np.ndarray, seconds: np.ndarray
+) -> list[IntervalFigures]:
+    """`interval_figures` of K intervals at once.
+
+    Args:
+        intervals: the counts of K intervals, each array with a leading
+            dimension of K (`[K, replicas]`, the histogram `[K, replicas,
+            bins]`).
+        versions: `[K]` the store version at the end of each.
+        seconds: `[K]` the training time each took.
+
+    Returns:
+        K `IntervalFigures`.
+    """
+    # Batch-level points come by the dozen from the callback's thread while
+    # the replicas run: each NumPy call covers every point and replica.
+    counts = np.asarray(intervals.histogram, dtype=np.int64)
+    points, replicas, width = counts.shape
+    histogram = np.empty((points, replicas + 1, width), np.int64)
+    histogram[:, :replicas] = counts
+    counts.sum(axis=1, out=histogram[:, replicas])
     bins = np.arange(width)
-    largest = ((histogram > 0) * bins).max(axis=1)
-    claimed = histogram.sum(axis=1).astype(np.float64)
+    largest = ((histogram > 0) * bins).max(axis=2)
+    claimed = histogram.sum(axis=2).astype(np.float64)
     mean = _ratio((histogram @ bins).astype(np.float64), claimed)
     # Per replica then all together: updates, dropped, examples, lr factors.
-    columns = np.zeros((replicas + 1, 4))
-    columns[:replicas, 0] = interval.updates
-    columns[:replicas, 1] = interval.dropped
-    if interval.examples is not None:
-        columns[:replicas, 2] = interval.examples
+    columns = np.zeros((points, replicas + 1, 4))
+    columns[:, :replicas, 0] = intervals.updates
+    columns[:, :replicas, 1] = intervals.dropped
+    if intervals.examples is not None:
+        columns[:, :replicas, 2] = intervals.examples
     # Without a recorded factor (no rule), every update had 1.
-    lr_scale_sum = interval.updates if interval.lr_scale_sum is None else interval.lr_scale_sum
-    columns[:replicas, 3] = lr_scale_sum
-    columns[replicas] = columns[:replicas].sum(axis=0)
-    updates, dropped = columns[:, 0], columns[:, 1]
-    work = updates[:replicas] + dropped[:replicas]
-    total_work = work.sum()
+    lr_scale_sum = intervals.updates if intervals.lr_scale_sum is None else intervals.lr_scale_sum
+    columns[:, :replicas, 3] = lr_scale_sum
+    columns[:, replicas] = columns[:, :replicas].sum(axis=1)
+    updates, dropped = columns[:, :, 0], columns[:, :, 1]
+    work = updates[:, :replicas] + dropped[:, :replicas]
+    share = _ratio(work, np.broadcast_to(work.sum(axis=1, keepdims=True), work.shape))
+    lr_scale = _ratio(columns[:, :, 3], updates)
+    seconds = np.asarray(seconds, dtype=np.float64)
     examples_per_second = None
-    if interval.examples is not None and seconds > 0:
-        examples_per_second = columns[:, 2] / seconds
-    return IntervalFigures(
-        version=int(version),
-        updates=updates,
-        claimed=claimed,
-        mean=mean,
-        max=largest.astype(np.float64),
-        histogram=histogram[:, : int(largest[-1]) + 1],
-        share=work / total_work if total_work else np.zeros_like(work),
-        examples_per_second=examples_per_second,
-        dropped=dropped,
-        lr_scale=_ratio(columns[:, 3], updates),
-    )
+    if intervals.examples is not None:
+        examples_per_second = _ratio(
+            columns[:, :, 2], np.broadcast_to(seconds[:, None], updates.shape)
+        )
+    maxima = largest.astype(np.float64)
+    return [
+        IntervalFigures(
+            version=int(versions[k]),
+            updates=updates[k],
+            claimed=claimed[k],
+            mean=mean[k],
+            max=maxima[k],
+            histogram=histogram[k, :, : int(largest[k, -1]) + 1],
+            share=share[k],
+            examples_per_second=None
+            if examples_per_second is None or seconds[k] <= 0
+            else examples_per_second[k],
+            dropped=dropped[k],
+            lr_scale=lr_scale[k],
+        )
+        for k in range(points)
+    ]
 
 
 def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
@@ -392,7 +439,11 @@ class StalenessSummaryWriter:
             replica's series together. They are reused by the next call:
             write them before.
         """
-        figures = interval_figures(interval, version, seconds)
+        return self._values(interval, interval_figures(interval, version, seconds), lost)
+
+    def _values(
+        self, interval: StalenessStats, figures: IntervalFigures, lost: np.ndarray | None
+    ) -> list[summary_pb2.Summary.Value]:
         totals = self.totals
         totals[:, 0] += interval.updates
         totals[:, 1] += interval.dropped
@@ -427,7 +478,7 @@ class StalenessSummaryWriter:
                     add(row.lr_scale.scalar(lr_scale[i]))
             if lost is not None:
                 add(row.lost.scalar(float(lost[i]) if i < len(lost) else float(np.sum(lost))))
-        add(self._version.scalar(version))
+        add(self._version.scalar(figures.version))
         add(self._totals.matrix(totals))
         return values
 
@@ -465,6 +516,39 @@ class StalenessSummaryWriter:
             lost: per replica, whether it was lost at this point (see `point`).
         """
         self._file.write(self.point(interval, version, seconds, lost), step)
+
+    def write_many(
+        self,
+        steps: list[int],
+        intervals: StalenessStats,
+        versions: np.ndarray,
+        seconds: np.ndarray,
+        lost: list[np.ndarray | None] | None = None,
+    ) -> None:
+        """Writes K points at once: `write` for each, its figures computed
+        for all of them together.
+
+        Args:
+            steps: the K points' steps.
+            intervals: the counts since each point's previous one, every
+                array with a leading dimension of K.
+            versions: `[K]` the store version at each point.
+            seconds: `[K]` the training time since each point's previous one.
+            lost: per point, per replica, whether it was lost (or None).
+        """
+        figures = interval_figures_many(intervals, versions, seconds)
+        for k, step in enumerate(steps):
+            interval = StalenessStats(
+                version=0,
+                updates=intervals.updates[k],
+                dropped=intervals.dropped[k],
+                staleness_sum=intervals.staleness_sum[k],
+                staleness_max=intervals.staleness_max,
+                histogram=intervals.histogram[k],
+                examples=None if intervals.examples is None else intervals.examples[k],
+            )
+            point_lost = None if lost is None else lost[k]
+            self._file.write(self._values(interval, figures[k], point_lost), step)
 
     def flush(self) -> None:
         """Writes buffered points to disk."""
