@@ -383,6 +383,7 @@ SECOND_FIT_CLIENT = textwrap.dedent(
     import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np, tensorflow as tf
+    import tf_diffmap
     from tf_diffmap import cluster
 
     x = np.random.default_rng(0).normal(size=(512, 8)).astype("float32")
@@ -394,13 +395,25 @@ SECOND_FIT_CLIENT = textwrap.dedent(
             model.compile(optimizer=keras.optimizers.SGD(0.1),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-        first = strategy.statistics().examples.sum()
-        # Another dataset: the same examples in batches of 8 (4 per replica).
-        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+        first = strategy.statistics()
+        # Another dataset: the same examples in batches of 8 (4 per replica),
+        # with batch-level staleness points (on a cluster, sampled by the
+        # callback's thread: Keras' step does not reach the ps).
+        logdir = os.path.join(os.environ["TMPDIR"], "logs")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0,
+                  callbacks=[tf_diffmap.StalenessTensorBoard(logdir, update_freq="batch")])
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        events = EventAccumulator(os.path.join(logdir, "staleness"), size_guidance={"tensors": 0})
+        events.Reload()
+        updates = [tf.make_ndarray(e.tensor_proto).item()
+                   for e in events.Tensors("work/updates/all")]
         report = {
-            "first": int(first),
-            "second": int(strategy.statistics().examples.sum() - first),
+            "first": int(first.examples.sum()),
+            "second": int(strategy.statistics().examples.sum() - first.examples.sum()),
             "version": strategy.version,
+            "point_steps": [e.step for e in events.Tensors("work/updates/all")],
+            "point_updates": sum(updates),
+            "fit_updates": int(strategy.statistics().updates.sum() - first.updates.sum()),
         }
     print(json.dumps(report))
     """
@@ -415,6 +428,11 @@ def test_a_second_fit_reads_its_own_dataset_on_the_workers(tmp_path):
     assert report["first"] == 512
     assert report["second"] == 512, "the loops read the first fit's pipelines"
     assert report["version"] == 16 * 2 + 64 * 2
+    # Batch-level points on a cluster: the epoch's last batch has its point
+    # (after the epoch's updates landed), and the points add up to every update.
+    steps = report["point_steps"]
+    assert steps and steps[-1] == 64 and steps == sorted(set(steps)), steps
+    assert report["point_updates"] == report["fit_updates"] == 64 * 2
 
 
 FUNCTION_CLIENT = textwrap.dedent(

@@ -457,8 +457,10 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             due = [
                 k
                 for k in range(len(read))
-                # An epoch's last is written at its end, once its updates landed.
-                if self._due(int(steps[k])) and not self._epoch_last(int(steps[k]))
+                # An epoch's last is written at its end, once its updates
+                # landed; a snapshot sampled when read has its point wherever.
+                if (read.sampled or self._due(int(steps[k])))
+                and not self._epoch_last(int(steps[k]))
             ]
             shared = time.thread_time() - cpu  # counted with the points it brought
             before = len(self._point_cpu)
@@ -536,6 +538,8 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         often than at the previous point.
         """
         reports = self._replica_states
+        if self._lost_counts is None and not any(report.lost for report in reports):
+            return None  # no replica was ever lost: the common case, cheaply
         counts = np.array([report.lost for report in reports], np.int64)
         if self._lost_counts is None or len(self._lost_counts) != len(counts):
             self._lost_counts = np.zeros_like(counts)

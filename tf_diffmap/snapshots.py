@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +43,9 @@ class Snapshots:
         lost: snapshots overwritten before they were read (their updates
             count in the next point).
         next_index: where the next read starts.
+        sampled: the one snapshot was read from Python when asked for, at
+            the step Keras' graph had reached (on a cluster, see
+            `CounterSnapshots`), rather than taken by the graph at each step.
     """
 
     indices: np.ndarray
@@ -51,6 +55,7 @@ class Snapshots:
     lr_scale_sums: np.ndarray
     lost: int
     next_index: int
+    sampled: bool = False
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -68,6 +73,11 @@ class Snapshots:
             lr_scale_sum=self.lr_scale_sums[k],
             abandoned=like.abandoned,
         )
+
+
+def _task(device: str) -> tuple:
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job, spec.replica, spec.task
 
 
 class CounterSnapshots:
@@ -91,9 +101,22 @@ class CounterSnapshots:
         self._readers: set[int] = set()
         self._lock = threading.Lock()
         replicas, columns = store.counters.shape
+        # On a cluster the counters live on a ps task: an op of Keras' step
+        # that reaches it, even in a branch that does not run, makes every
+        # step a call to that task (and a lost ps the step's own error).
+        # There Keras' graph only counts its steps, and `read` takes one
+        # snapshot from Python when asked.
+        self.in_graph = _task(store.host) == _task(client_host)
+        self._host = store.host
+        self._gather = None
         with tf.init_scope():
             with tf.device(client_host):
                 self.on = tf.Variable(False, trainable=False, name="snapshots_on")
+                self.steps = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="snapshot_steps"
+                )
+            if not self.in_graph:
+                return
             with tf.device(store.host):
                 # Snapshots taken in all; row `i % capacity` holds the i-th.
                 self.written = tf.Variable(
@@ -115,19 +138,29 @@ class CounterSnapshots:
                     trainable=False,
                     name="snapshot_lr_scale_sum",
                 )
-        self._host = store.host
-        self._gather = None
 
     # -- in Keras' graph ------------------------------------------------------
 
     def record_in_graph(self, after) -> tf.Tensor:
         """Ops that take a snapshot after `after` while the ring is on.
 
-        Switched off, a step reads one flag on the client host.
+        Switched off, a step reads one flag on the client host, and
+        nothing else.
         """
         with tf.control_dependencies(after):
             on = self.on.read_value()
-        return tf.cond(on, self._take, lambda: tf.constant(False))
+        # A call, not inlined: the snapshot's ops live on the store's host
+        # (a ps task on a cluster), and inlined into Keras' step they would
+        # make every step a multi-device one that reaches that host, the
+        # ring on or off.
+        if not self.in_graph:
+            return tf.cond(on, self._count, lambda: tf.constant(False))
+        take = tf.function(self._take, autograph=False, experimental_attributes={"_noinline": True})
+        return tf.cond(on, take, lambda: tf.constant(False))
+
+    def _count(self) -> tf.Tensor:
+        with tf.control_dependencies([self.steps.assign_add(1, read_value=False)]):
+            return tf.identity(tf.constant(True))
 
     def _take(self) -> tf.Tensor:
         store = self._store
@@ -163,12 +196,12 @@ class CounterSnapshots:
             takes. While a reader is registered, every step takes one, so
             snapshot `i` is the `(i - start + 1)`-th step since the start.
         """
-        if self._gather is None:  # traced here, not in a reader's first read
+        if self.in_graph and self._gather is None:  # traced here, not in a first read
             self._gather = self._make_gather()
         with self._lock:
             self._readers.add(id(reader))
             self.on.assign(True)
-            return int(self.written.read_value())
+            return int((self.written if self.in_graph else self.steps).read_value())
 
     def stop(self, reader: object | None = None) -> None:
         """Unregisters `reader` (None: every reader); off once none is left."""
@@ -186,6 +219,8 @@ class CounterSnapshots:
         Args:
             since: the `next_index` of the previous read (or `start`'s result).
         """
+        if not self.in_graph:
+            return self._sample(since)
         written = int(self.written.read_value())
         first = max(since, written - self.capacity)
         indices = np.arange(first, written, dtype=np.int64)
@@ -205,6 +240,25 @@ class CounterSnapshots:
             lr_scale_sums=lr[lapped:],
             lost=(first - since) + lapped,
             next_index=written,
+        )
+
+    def _sample(self, since: int) -> Snapshots:
+        """One snapshot read now, at the step Keras' graph has reached."""
+        steps = int(self.steps.read_value())
+        if steps <= since:
+            nothing = np.zeros([0], np.int64)
+            return Snapshots(nothing, nothing * 1.0, nothing, nothing, nothing, 0, since, True)
+        now = self._store.statistics()
+        counters = self._store.counters.numpy()
+        return Snapshots(
+            indices=np.array([steps - 1]),
+            times=np.array([time.time()]),
+            versions=np.array([now.version]),
+            counters=counters[None],
+            lr_scale_sums=np.asarray(now.lr_scale_sum)[None],
+            lost=0,
+            next_index=steps,
+            sampled=True,
         )
 
     def _make_gather(self):
