@@ -270,11 +270,13 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     # -- the update -------------------------------------------------------
 
-    def _lr_scale(self, staleness):
+    def _lr_scale(self, staleness, mean_staleness=None):
         if callable(self.staleness):
             return tf.cast(self.staleness(staleness), tf.float32)
         if self.rule == "inverse":
             return rules.inverse_lr_scale(staleness)
+        if self.rule == "momentum":
+            return rules.mean_staleness_lr_scale(mean_staleness)
         return None
 
     def apply(self, grads, trainable_variables=None):
@@ -294,20 +296,27 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.apply(grads, variables)
             return
         claim = state.claim(after=grads, record=False)
-        lr_scale = self._lr_scale(claim.staleness)
+        rule = self.rule
+        # "momentum" takes both its momentum and its learning-rate factor
+        # from the smoothed staleness, so that one rare stale update (a
+        # straggler's) moves them a little rather than swinging them.
+        mean_staleness = self._mean_staleness(claim.staleness) if rule == "momentum" else None
+        lr_scale = self._lr_scale(claim.staleness, mean_staleness)
         keep = (
             rules.keep_update(claim.staleness, self.drop_above)
             if self.drop_above is not None
             else tf.constant(True)
         )
         state.record(claim, keep, lr_scale)
-        rule = self.rule
         if rule == "dc":
             grads = self._compensate(grads, variables, state, claim)
         traced_momentum = contextlib.nullcontext()
         if rule == "momentum":
             traced_momentum = _momentum_of_update(
-                _sgd_of(self.inner_optimizer), self._momentum_for(claim.staleness)
+                _sgd_of(self.inner_optimizer),
+                rules.compensated_momentum(
+                    heavy_ball_momentum(self.inner_optimizer), mean_staleness
+                ),
             )
 
         def apply_inner():
@@ -320,11 +329,12 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         else:
             tf.cond(keep, apply_inner, lambda: tf.constant(False))
 
-    def _momentum_for(self, staleness) -> tf.Tensor:
-        """This update's momentum: the configured one, less asynchrony's.
+    def _mean_staleness(self, staleness) -> tf.Tensor:
+        """A moving average of the staleness of recent updates, this one included.
 
-        Asynchrony's is estimated from a moving average of the staleness of
-        recent updates, this one included.
+        Bias-corrected as Adam's moments are (the weights start at 0), so the
+        first update's average is its own staleness. Dropped updates count:
+        they are as stale as the store's recent updates were.
         """
         decay = self.staleness_decay
         with tf.control_dependencies([staleness]):
@@ -337,10 +347,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             weight_step = rules.moving_average_step(weight_now, 1.0, decay)
             average.assign_add(tf.cast(average_step, average.dtype))
             weight.assign_add(tf.cast(weight_step, weight.dtype))
-            mean_staleness = (average_now + average_step) / (weight_now + weight_step)
-            return rules.compensated_momentum(
-                heavy_ball_momentum(self.inner_optimizer), mean_staleness
-            )
+            return (average_now + average_step) / (weight_now + weight_step)
 
     def _compensate(self, grads, variables, state, claim):
         compensated = []

@@ -23,6 +23,7 @@ __all__ = [
     "moving_average_step",
     "implicit_momentum",
     "compensated_momentum",
+    "mean_staleness_lr_scale",
 ]
 
 
@@ -297,3 +298,28 @@ def compensated_momentum(momentum, mean_staleness):
     """
     mean_staleness = tf.cast(mean_staleness, tf.float32)
     return tf.maximum(tf.constant(momentum, tf.float32) - implicit_momentum(mean_staleness), 0.0)
+
+
+def mean_staleness_lr_scale(mean_staleness):
+    """Learning-rate factor 1 / (1 + s) at a recent mean staleness s.
+
+    The staleness-dependent learning rate of Zhang, Gupta, Lian and Liu
+    (IJCAI 2016), alpha_0 / <sigma>, taken at the average staleness rather
+    than at each update's: a step whose gradient is s versions old on
+    average is taken s + 1 times smaller, the step size that delayed SGD
+    stays stable with (it shrinks as 1 / (1 + delay)). Counting the update
+    itself (1 + s rather than s) keeps the factor at exactly 1 when nothing
+    is stale, so one replica is the inner optimizer. Averaged, one very
+    stale update (a straggler's) moves the factor a little instead of
+    cutting that one step alone, and fresh updates between two stale ones
+    are damped too: the instability a delay starts lasts beyond the
+    stale update itself.
+
+    Args:
+        mean_staleness: a recent mean staleness s >= 0 (tensor or float).
+
+    Returns:
+        A float32 scalar tensor in (0, 1].
+    """
+    mean_staleness = tf.cast(mean_staleness, tf.float32)
+    return 1.0 / (1.0 + tf.maximum(mean_staleness, 0.0))
