@@ -12,8 +12,9 @@ one rule:
   the gradient with the parameters the replica read;
 - `"drop"`: updates staler than `drop_above` are not applied, and counted;
 - `"momentum"`: for SGD with momentum, the explicit momentum lowered by the
-  momentum that asynchrony adds, estimated from the measured staleness
-  (Mitliagkas et al. 2016);
+  momentum that asynchrony adds (Mitliagkas et al. 2016), and the learning
+  rate divided by 1 + s (Zhang et al. 2016 at the mean staleness), both
+  from s, a moving average of the measured staleness;
 - `"auto"` (the default): `"momentum"` for SGD with momentum, `"none"` for
   every other optimizer;
 - a callable `rule(staleness) -> learning-rate factor`, for research.
@@ -137,8 +138,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             `"drop"`; optional with the other rules.
         dc_lambda: lambda_0 of DC-ASGD-a.
         dc_momentum: momentum of DC-ASGD-a's mean square of gradients.
-        staleness_decay: decay of the moving average of staleness that
-            `"momentum"` estimates the momentum of asynchrony from.
+        staleness_decay: decay of the moving average of staleness s that
+            `"momentum"` takes its momentum, max(0, mu - s / (1 + s)), and
+            its learning-rate factor, 1 / (1 + s), from.
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
