@@ -77,3 +77,14 @@ def test_mean_staleness_lr_scale_by_hand(mean_staleness, expected):
     got = rules.mean_staleness_lr_scale(tf.constant(mean_staleness))
     assert got.dtype == tf.float32
     assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("replicas, expected", [(1, 0.0), (4, 3.0), (16, 15.0)])
+def test_expected_staleness_by_hand(replicas, expected):
+    # N replicas taking turns: the N - 1 others land between a read and its update.
+    assert rules.expected_staleness(replicas) == expected
+
+
+def test_expected_staleness_rejects_no_replicas():
+    with pytest.raises(ValueError, match="num_replicas >= 1, received 0"):
+        rules.expected_staleness(0)

@@ -140,7 +140,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         dc_momentum: momentum of DC-ASGD-a's mean square of gradients.
         staleness_decay: decay of the moving average of staleness s that
             `"momentum"` takes its momentum, max(0, mu - s / (1 + s)), and
-            its learning-rate factor, 1 / (1 + s), from.
+            its learning-rate factor, 1 / (1 + s), from; it starts from
+            N - 1 for N replicas (`staleness.expected_staleness`).
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -241,10 +242,21 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 id(v): self.add_variable_from_reference(v, name="dc_mean_square") for v in var_list
             }
         if self.rule == "momentum":
-            # A bias-corrected moving average: sum of weighted staleness, and
-            # the sum of the weights (which starts at 0, as Adam's does).
-            self._staleness_average = self.add_variable((), name="staleness_average")
-            self._staleness_weight = self.add_variable((), name="staleness_weight")
+            # A moving average: sum of weighted staleness, and the sum of the
+            # weights. Before any staleness is measured it holds the staleness
+            # that N replicas taking turns would see, N - 1, with weight 1;
+            # the measurements replace it as they come (with one replica it
+            # is 0 with weight 0: bias-corrected from the first update, as
+            # Adam's moments are).
+            prior = rules.expected_staleness(tf.distribute.get_strategy().num_replicas_in_sync)
+            self._staleness_average = self.add_variable(
+                (), initializer=keras.initializers.Constant(prior), name="staleness_average"
+            )
+            self._staleness_weight = self.add_variable(
+                (),
+                initializer=keras.initializers.Constant(1.0 if prior else 0.0),
+                name="staleness_weight",
+            )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 

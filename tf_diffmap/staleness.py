@@ -24,6 +24,7 @@ __all__ = [
     "implicit_momentum",
     "compensated_momentum",
     "mean_staleness_lr_scale",
+    "expected_staleness",
 ]
 
 
@@ -323,3 +324,25 @@ def mean_staleness_lr_scale(mean_staleness):
     """
     mean_staleness = tf.cast(mean_staleness, tf.float32)
     return 1.0 / (1.0 + tf.maximum(mean_staleness, 0.0))
+
+
+def expected_staleness(num_replicas: int) -> float:
+    """The mean staleness to assume before any is measured: N - 1.
+
+    N replicas that take turns on the store each see the N - 1 others'
+    updates land between their read and their update; Mitliagkas et al.
+    (2016) model M asynchronous workers the same way, and their implicit
+    momentum 1 - 1/M is `implicit_momentum(M - 1)`. It is the staleness
+    the `"momentum"` rule starts from, so that its first updates, before
+    the store has measured anything, are not taken at full momentum and
+    full step: with one replica it is 0 and nothing changes.
+
+    Args:
+        num_replicas: N >= 1.
+
+    Returns:
+        `float(N - 1)`.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"expected_staleness needs num_replicas >= 1, received {num_replicas}.")
+    return float(num_replicas - 1)
