@@ -1472,9 +1472,18 @@ def _high_staleness_section(results) -> list[str]:
         f"{plan['high_staleness_batch_size']}, {plan['high_staleness_epochs']} epochs; "
         "validation accuracy after the last epoch (medians of the runs, min–max in brackets "
         "when more than one), then the mean / max staleness. Straggler: replica 0 sleeps "
-        f"{1000 * plan['high_staleness_delay']:g} ms in each step. `drop` drops updates "
-        f"staler than {plan['high_staleness_drop_above']}; `momentum` applies to SGD with "
-        "momentum only. Bold: collapsed (below 0.5; chance is 0.1). Optimizers: "
+        f"{1000 * plan['high_staleness_delay']:g} ms in each step. "
+        + (
+            f"`drop` drops updates staler than {plan['high_staleness_drop_above']}. "
+            if "drop" in plan["high_staleness_rules"]
+            else ""
+        )
+        + (
+            "`momentum` applies to SGD with momentum only. "
+            if "momentum" in plan["high_staleness_rules"]
+            else ""
+        )
+        + "Bold: collapsed (below 0.5; chance is 0.1). Optimizers: "
         "`sgd_momentum` SGD(0.2, momentum=0.9), `sgd` SGD(0.2), `adam_1e-3` and `adam_1e-2` "
         "Adam with that learning rate.",
         "",

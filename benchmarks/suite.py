@@ -481,6 +481,18 @@ def _parser() -> argparse.ArgumentParser:
         "also leaves out control, cluster and fault_timeline)",
     )
     parser.add_argument(
+        "--high-staleness-rows",
+        default=None,
+        help="comma-separated model:optimizer rows of the high_staleness table, e.g. "
+        "cnn_digits:sgd_momentum,mlp_digits:adam_1e-2 (default: every row of the plan)",
+    )
+    parser.add_argument(
+        "--high-staleness-rules",
+        default=None,
+        help="comma-separated AsyncOptimizer rules of the high_staleness table, e.g. "
+        "auto,none (default: every rule of the plan)",
+    )
+    parser.add_argument(
         "--device",
         choices=("auto", "cpu", "gpu"),
         default="auto",
@@ -525,6 +537,25 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"Unknown workloads {unknown}; choose from {list(plans.WORKLOADS)}.")
         plan = dataclasses.replace(plan, workloads=chosen)
+    if args.high_staleness_rows:
+        rows = tuple(
+            tuple(r.strip().split(":", 1)) for r in args.high_staleness_rows.split(",") if r.strip()
+        )
+        known = set(plans.PRESETS["full"].high_staleness_rows)
+        unknown = [":".join(r) for r in rows if r not in known]
+        if unknown:
+            raise SystemExit(
+                f"Unknown high_staleness rows {unknown}; choose from "
+                f"{[':'.join(r) for r in plans.PRESETS['full'].high_staleness_rows]}."
+            )
+        plan = dataclasses.replace(plan, high_staleness_rows=rows)
+    if args.high_staleness_rules:
+        chosen = tuple(r.strip() for r in args.high_staleness_rules.split(",") if r.strip())
+        known = plans.PRESETS["full"].high_staleness_rules
+        unknown = [r for r in chosen if r not in known]
+        if unknown:
+            raise SystemExit(f"Unknown high_staleness rules {unknown}; choose from {list(known)}.")
+        plan = dataclasses.replace(plan, high_staleness_rules=chosen)
     args.resolved_device = resolve_device(args.device, args.python)
     command = "python -m benchmarks " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])

@@ -165,6 +165,22 @@ def test_inverse_rule_scales_each_update_by_its_staleness():
     np.testing.assert_allclose(model.get_weights()[0], -LR * total_scale, rtol=1e-5)
 
 
+def test_momentum_rule_scales_the_learning_rate_by_the_smoothed_staleness():
+    # With staleness_decay=0 the smoothed staleness is each update's own, so
+    # each factor is 1 / (1 + staleness), and their sum follows the histogram.
+    strategy, _ = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(
+            keras.optimizers.SGD(LR, momentum=0.5), staleness="momentum", staleness_decay=0.0
+        )
+    )
+    stats = strategy.statistics()
+    histogram = stats.histogram.sum(axis=0)
+    assert histogram[-1] == 0  # no staleness in the open-ended last bin
+    expected = sum(count / (1 + s) for s, count in enumerate(histogram))
+    assert expected < stats.updates.sum()  # some updates were stale
+    assert float(stats.lr_scale_sum.sum()) == pytest.approx(expected, rel=1e-5)
+
+
 def test_drop_rule_skips_stale_updates_and_counts_them():
     strategy, model = train_constant(
         lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="drop", drop_above=1)

@@ -67,3 +67,24 @@ def test_compensated_momentum_by_hand(momentum, mean_staleness, expected):
 def test_moving_average_step_by_hand():
     # 0.95 * 2 + 0.05 * 12 = 2.5, as the difference 0.5.
     assert float(rules.moving_average_step(tf.constant(2.0), 12.0, 0.95)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "mean_staleness, expected", [(0.0, 1.0), (0.25, 0.8), (1.0, 0.5), (3.0, 0.25), (9.0, 0.1)]
+)
+def test_mean_staleness_lr_scale_by_hand(mean_staleness, expected):
+    # 1 / (1 + s): 1 / 1.25 = 0.8; exactly 1 when nothing is stale.
+    got = rules.mean_staleness_lr_scale(tf.constant(mean_staleness))
+    assert got.dtype == tf.float32
+    assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("replicas, expected", [(1, 0.0), (4, 3.0), (16, 15.0)])
+def test_expected_staleness_by_hand(replicas, expected):
+    # N replicas taking turns: the N - 1 others land between a read and its update.
+    assert rules.expected_staleness(replicas) == expected
+
+
+def test_expected_staleness_rejects_no_replicas():
+    with pytest.raises(ValueError, match="num_replicas >= 1, received 0"):
+        rules.expected_staleness(0)

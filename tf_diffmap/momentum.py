@@ -6,8 +6,9 @@ An optimizer that brings its own momentum, tuned for synchronous training,
 then runs with a total of about the sum, and from a total of 1 the momentum
 no longer decays: measured on digits with 16 replicas (mean staleness about
 10), SGD(0.2, momentum=0.9) fell to chance. `AsyncOptimizer`'s `"momentum"`
-rule (its default for SGD with momentum) corrects for it; `MomentumWatch`
-warns, once, when a model trains without that correction.
+rule (its default for SGD with momentum) corrects for it, and divides the
+learning rate by 1 + s, the step size delayed updates stay stable with;
+`MomentumWatch` warns, once, when a model trains without that correction.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def momentum_warning(optimizer, stats: StalenessStats, min_updates: int = 0) -> 
         "momentum no longer decays and training tends to diverge (SGD with "
         "momentum 0.9 fell to chance on 16 replicas). Wrap the optimizer in "
         "tf_diffmap.AsyncOptimizer(...): its default rule for SGD with momentum, "
-        'staleness="momentum", lowers the momentum by what asynchrony adds.'
+        'staleness="momentum", lowers the momentum by what asynchrony adds '
+        "and divides the learning rate by 1 + the mean staleness."
     )
 
 

@@ -12,8 +12,9 @@ one rule:
   the gradient with the parameters the replica read;
 - `"drop"`: updates staler than `drop_above` are not applied, and counted;
 - `"momentum"`: for SGD with momentum, the explicit momentum lowered by the
-  momentum that asynchrony adds, estimated from the measured staleness
-  (Mitliagkas et al. 2016);
+  momentum that asynchrony adds (Mitliagkas et al. 2016), and the learning
+  rate divided by 1 + s (Zhang et al. 2016 at the mean staleness), both
+  from s, a moving average of the measured staleness;
 - `"auto"` (the default): `"momentum"` for SGD with momentum, `"none"` for
   every other optimizer;
 - a callable `rule(staleness) -> learning-rate factor`, for research.
@@ -137,8 +138,10 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             `"drop"`; optional with the other rules.
         dc_lambda: lambda_0 of DC-ASGD-a.
         dc_momentum: momentum of DC-ASGD-a's mean square of gradients.
-        staleness_decay: decay of the moving average of staleness that
-            `"momentum"` estimates the momentum of asynchrony from.
+        staleness_decay: decay of the moving average of staleness s that
+            `"momentum"` takes its momentum, max(0, mu - s / (1 + s)), and
+            its learning-rate factor, 1 / (1 + s), from; it starts from
+            N - 1 for N replicas (`staleness.expected_staleness`).
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -239,10 +242,21 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 id(v): self.add_variable_from_reference(v, name="dc_mean_square") for v in var_list
             }
         if self.rule == "momentum":
-            # A bias-corrected moving average: sum of weighted staleness, and
-            # the sum of the weights (which starts at 0, as Adam's does).
-            self._staleness_average = self.add_variable((), name="staleness_average")
-            self._staleness_weight = self.add_variable((), name="staleness_weight")
+            # A moving average: sum of weighted staleness, and the sum of the
+            # weights. Before any staleness is measured it holds the staleness
+            # that N replicas taking turns would see, N - 1, with weight 1;
+            # the measurements replace it as they come (with one replica it
+            # is 0 with weight 0: bias-corrected from the first update, as
+            # Adam's moments are).
+            prior = rules.expected_staleness(tf.distribute.get_strategy().num_replicas_in_sync)
+            self._staleness_average = self.add_variable(
+                (), initializer=keras.initializers.Constant(prior), name="staleness_average"
+            )
+            self._staleness_weight = self.add_variable(
+                (),
+                initializer=keras.initializers.Constant(1.0 if prior else 0.0),
+                name="staleness_weight",
+            )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
@@ -270,11 +284,13 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     # -- the update -------------------------------------------------------
 
-    def _lr_scale(self, staleness):
+    def _lr_scale(self, staleness, mean_staleness=None):
         if callable(self.staleness):
             return tf.cast(self.staleness(staleness), tf.float32)
         if self.rule == "inverse":
             return rules.inverse_lr_scale(staleness)
+        if self.rule == "momentum":
+            return rules.mean_staleness_lr_scale(mean_staleness)
         return None
 
     def apply(self, grads, trainable_variables=None):
@@ -294,20 +310,27 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.apply(grads, variables)
             return
         claim = state.claim(after=grads, record=False)
-        lr_scale = self._lr_scale(claim.staleness)
+        rule = self.rule
+        # "momentum" takes both its momentum and its learning-rate factor
+        # from the smoothed staleness, so that one rare stale update (a
+        # straggler's) moves them a little rather than swinging them.
+        mean_staleness = self._mean_staleness(claim.staleness) if rule == "momentum" else None
+        lr_scale = self._lr_scale(claim.staleness, mean_staleness)
         keep = (
             rules.keep_update(claim.staleness, self.drop_above)
             if self.drop_above is not None
             else tf.constant(True)
         )
         state.record(claim, keep, lr_scale)
-        rule = self.rule
         if rule == "dc":
             grads = self._compensate(grads, variables, state, claim)
         traced_momentum = contextlib.nullcontext()
         if rule == "momentum":
             traced_momentum = _momentum_of_update(
-                _sgd_of(self.inner_optimizer), self._momentum_for(claim.staleness)
+                _sgd_of(self.inner_optimizer),
+                rules.compensated_momentum(
+                    heavy_ball_momentum(self.inner_optimizer), mean_staleness
+                ),
             )
 
         def apply_inner():
@@ -320,11 +343,12 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         else:
             tf.cond(keep, apply_inner, lambda: tf.constant(False))
 
-    def _momentum_for(self, staleness) -> tf.Tensor:
-        """This update's momentum: the configured one, less asynchrony's.
+    def _mean_staleness(self, staleness) -> tf.Tensor:
+        """A moving average of the staleness of recent updates, this one included.
 
-        Asynchrony's is estimated from a moving average of the staleness of
-        recent updates, this one included.
+        Bias-corrected as Adam's moments are (the weights start at 0), so the
+        first update's average is its own staleness. Dropped updates count:
+        they are as stale as the store's recent updates were.
         """
         decay = self.staleness_decay
         with tf.control_dependencies([staleness]):
@@ -337,10 +361,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             weight_step = rules.moving_average_step(weight_now, 1.0, decay)
             average.assign_add(tf.cast(average_step, average.dtype))
             weight.assign_add(tf.cast(weight_step, weight.dtype))
-            mean_staleness = (average_now + average_step) / (weight_now + weight_step)
-            return rules.compensated_momentum(
-                heavy_ball_momentum(self.inner_optimizer), mean_staleness
-            )
+            return (average_now + average_step) / (weight_now + weight_step)
 
     def _compensate(self, grads, variables, state, claim):
         compensated = []

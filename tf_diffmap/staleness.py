@@ -23,6 +23,8 @@ __all__ = [
     "moving_average_step",
     "implicit_momentum",
     "compensated_momentum",
+    "mean_staleness_lr_scale",
+    "expected_staleness",
 ]
 
 
@@ -297,3 +299,50 @@ def compensated_momentum(momentum, mean_staleness):
     """
     mean_staleness = tf.cast(mean_staleness, tf.float32)
     return tf.maximum(tf.constant(momentum, tf.float32) - implicit_momentum(mean_staleness), 0.0)
+
+
+def mean_staleness_lr_scale(mean_staleness):
+    """Learning-rate factor 1 / (1 + s) at a recent mean staleness s.
+
+    The staleness-dependent learning rate of Zhang, Gupta, Lian and Liu
+    (IJCAI 2016), alpha_0 / <sigma>, taken at the average staleness rather
+    than at each update's: a step whose gradient is s versions old on
+    average is taken s + 1 times smaller, the step size that delayed SGD
+    stays stable with (it shrinks as 1 / (1 + delay)). Counting the update
+    itself (1 + s rather than s) keeps the factor at exactly 1 when nothing
+    is stale, so one replica is the inner optimizer. Averaged, one very
+    stale update (a straggler's) moves the factor a little instead of
+    cutting that one step alone, and fresh updates between two stale ones
+    are damped too: the instability a delay starts lasts beyond the
+    stale update itself.
+
+    Args:
+        mean_staleness: a recent mean staleness s >= 0 (tensor or float).
+
+    Returns:
+        A float32 scalar tensor in (0, 1].
+    """
+    mean_staleness = tf.cast(mean_staleness, tf.float32)
+    return 1.0 / (1.0 + tf.maximum(mean_staleness, 0.0))
+
+
+def expected_staleness(num_replicas: int) -> float:
+    """The mean staleness to assume before any is measured: N - 1.
+
+    N replicas that take turns on the store each see the N - 1 others'
+    updates land between their read and their update; Mitliagkas et al.
+    (2016) model M asynchronous workers the same way, and their implicit
+    momentum 1 - 1/M is `implicit_momentum(M - 1)`. It is the staleness
+    the `"momentum"` rule starts from, so that its first updates, before
+    the store has measured anything, are not taken at full momentum and
+    full step: with one replica it is 0 and nothing changes.
+
+    Args:
+        num_replicas: N >= 1.
+
+    Returns:
+        `float(N - 1)`.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"expected_staleness needs num_replicas >= 1, received {num_replicas}.")
+    return float(num_replicas - 1)
