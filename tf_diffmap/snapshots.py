@@ -76,8 +76,9 @@ class Snapshots:
 
 
 def _task(device: str) -> tuple:
+    """The task of a device; a device that names none is this process's."""
     spec = tf.DeviceSpec.from_string(device)
-    return spec.job, spec.replica, spec.task
+    return spec.job or "localhost", spec.replica or 0, spec.task or 0
 
 
 class CounterSnapshots:
