@@ -394,6 +394,7 @@ def _control(runs) -> list[dict[str, Any]]:
                 "updates_per_step": results[0].get("updates_per_step"),
                 "steps_per_second": _spread(r["steps_per_second"] for r in results),
                 "updates_per_second": _spread(r["updates_per_second"] for r in results),
+                "cpu_us_per_update": _spread(r.get("cpu_us_per_update") for r in results),
                 "updates_counted": [r.get("updates_counted") for r in results],
                 "updates_expected": [r.get("updates_expected") for r in results],
                 "mean_staleness": _median(
@@ -1214,7 +1215,9 @@ def _control_section(results) -> list[str]:
         cells = []
         for spe in spes:
             row = _find(rows, contender=contender, steps_per_loop=k, steps_per_execution=spe)
-            cells.append(_cell(row["updates_per_second"]) if row else "–")
+            cpu = (row.get("cpu_us_per_update") or {}).get("median") if row else None
+            cpu_text = "" if cpu is None else f"; {cpu:.0f} µs CPU per update"
+            cells.append(_cell(row["updates_per_second"]) + cpu_text if row else "–")
         first = _find(rows, contender=contender, steps_per_loop=k)
         name = first["label"] + (f", steps_per_loop={k}" if k is not None else "")
         if k == DEFAULT_STEPS_PER_LOOP:
@@ -1234,7 +1237,8 @@ def _control_section(results) -> list[str]:
         f"{plan['control_replicas']} updates (shards of "
         f"{plan['control_batch_size'] // plan['control_replicas']} examples). Figures: Keras "
         "steps per median epoch time, times the updates per step; medians of the runs "
-        "(min–max in brackets).",
+        "(min–max in brackets). CPU per update: the worker process's CPU time over the "
+        "timed window (both cores), over the updates applied in it.",
         "",
     ]
     return lines

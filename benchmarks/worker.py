@@ -425,10 +425,16 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
             steps_per_execution=spe,
         )
     warmup = _warm_up(rt, model, x, y, batch_size, steps=2 * spe)
+    cpu = time.process_time()
     out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
+    cpu = time.process_time() - cpu
     steps_per_second = task["steps_per_epoch"] / out["median_epoch_seconds"]
     updates_per_step = len(rt.devices) if rt.asynchronous else 1
+    # The process's CPU over the window (its first epoch included) per update:
+    # what an update costs the host, whatever the cores do meanwhile.
+    window_updates = (out["epochs"] + 1) * task["steps_per_epoch"] * updates_per_step
     out.update(
+        cpu_us_per_update=1e6 * cpu / window_updates,
         warmup_seconds=warmup,
         steps_per_second=steps_per_second,
         updates_per_step=updates_per_step,

@@ -153,6 +153,7 @@ def test_smoke_control_and_cluster(tmp_path):
     }
     for row in results["control"]:
         assert row["updates_per_second"]["median"] > 0
+        assert row["cpu_us_per_update"]["median"] > 0
         if row["contender"] == "tf_diffmap":
             assert row["updates_per_step"] == 4
             assert row["updates_counted"] == row["updates_expected"]
