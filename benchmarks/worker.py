@@ -204,13 +204,19 @@ def _warm_up(rt, model, x, y, batch_size: int, steps: int = 3) -> float:
     return time.perf_counter() - start
 
 
-def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
+def _warmed_up_model(rt, task: dict, seed: int):
+    """The task's model built and compiled under the contender, its synthetic
+    data, and the seconds of a warm-up fit (the step traced)."""
     x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
     rt.keras.utils.set_random_seed(seed)
     with rt.scope():
         model = workloads.build_model(rt.keras, task["model"])
         _compile(rt, model, rt.optimizer(task["learning_rate"]))
-    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    return model, x, y, _warm_up(rt, model, x, y, task["batch_size"])
+
+
+def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
+    model, x, y, warmup = _warmed_up_model(rt, task, seed)
     out = _timed_fit(rt, model, x, y, task)
     out["warmup_seconds"] = warmup
     return out
@@ -458,12 +464,7 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     ParameterServerStrategy, which reports no per-worker count, it is the
     `fit` time over the steps, times the workers (an even spread assumed).
     """
-    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
-    rt.keras.utils.set_random_seed(seed)
-    with rt.scope():
-        model = workloads.build_model(rt.keras, task["model"])
-        _compile(rt, model, rt.optimizer(task["learning_rate"]))
-    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    model, x, y, warmup = _warmed_up_model(rt, task, seed)
     out = _timed_fit(rt, model, x, y, task)
     fit_seconds = out["first_epoch_seconds"] + sum(out["epoch_seconds"])
     steps = (out["epochs"] + 1) * _steps(x, task["batch_size"])
@@ -502,12 +503,7 @@ def run_fault_timeline(rt, task: dict, seed: int) -> dict[str, Any]:
     lost_replicas = [r for r, d in enumerate(rt.devices) if d.startswith(task_name)]
     if not lost_replicas:
         raise ValueError(f"No replica on worker {index}; the replicas are on {rt.devices}.")
-    x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
-    rt.keras.utils.set_random_seed(seed)
-    with rt.scope():
-        model = workloads.build_model(rt.keras, task["model"])
-        _compile(rt, model, rt.optimizer(task["learning_rate"]))
-    warmup = _warm_up(rt, model, x, y, task["batch_size"])
+    model, x, y, warmup = _warmed_up_model(rt, task, seed)
 
     def processes() -> dict[str, int]:
         return {"chief": os.getpid(), **{f"{j} {i}": pid for (j, i), pid in local.pids.items()}}
