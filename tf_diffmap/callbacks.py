@@ -15,6 +15,7 @@ wait for the interpreter lock and a CPU the replicas hold).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -36,27 +37,53 @@ __all__ = ["StalenessTensorBoard"]
 _logger = logging.getLogger("tf_diffmap")
 
 
+_COUNTS = ("updates", "dropped", "staleness_sum", "histogram", "examples", "lr_scale_sum")
+
+
+def _intervals(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
+    """The counts between consecutive snapshots.
+
+    Args:
+        now: K snapshots, every counter array with a leading dimension of K.
+        before: the snapshot before the first, or None (zeros).
+
+    Returns:
+        The K intervals' counts (arrays `[K, ...]`); an interval whose
+        counters went back (`Strategy.reset_statistics()` was called in
+        between) counts all of its snapshot's.
+    """
+    diffs = {}
+    for name in _COUNTS:
+        later = getattr(now, name)
+        earlier = None if before is None else getattr(before, name)
+        if later is None or (before is not None and earlier is None):
+            diffs[name] = None
+            continue
+        first = np.zeros_like(later[0]) if earlier is None else np.asarray(earlier)
+        diffs[name] = np.diff(np.concatenate([first[None], later]), axis=0)
+    went_back = (diffs["updates"] < 0).any(axis=1) | (diffs["dropped"] < 0).any(axis=1)
+    went_back |= (diffs["histogram"] < 0).any(axis=(1, 2))
+    if went_back.any():
+        for name, diff in diffs.items():
+            if diff is not None:
+                diff[went_back] = getattr(now, name)[went_back]
+    return StalenessStats(version=0, staleness_max=now.staleness_max, **diffs)
+
+
 def _interval(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
-    """The counts between two snapshots; all of `now` if the counters went back
-    (`Strategy.reset_statistics()` was called in between)."""
-    if before is None:
-        return now.since(_zeros_like(now))
-    delta = now.since(before)
-    if (delta.updates < 0).any() or (delta.histogram < 0).any() or (delta.dropped < 0).any():
-        return now.since(_zeros_like(now))
-    return delta
-
-
-def _zeros_like(stats: StalenessStats) -> StalenessStats:
-    return StalenessStats(
-        version=0,
-        updates=stats.updates * 0,
-        dropped=stats.dropped * 0,
-        staleness_sum=stats.staleness_sum * 0,
-        staleness_max=stats.staleness_max * 0,
-        histogram=stats.histogram * 0,
-        lr_scale_sum=None if stats.lr_scale_sum is None else stats.lr_scale_sum * 0,
-        examples=None if stats.examples is None else stats.examples * 0,
+    """The counts between two snapshots (`_intervals` of one)."""
+    stacked = dataclasses.replace(
+        now,
+        **{
+            n: None if getattr(now, n) is None else np.asarray(getattr(now, n))[None]
+            for n in _COUNTS
+        },
+    )
+    one = _intervals(stacked, before)
+    return dataclasses.replace(
+        one,
+        version=now.version - (0 if before is None else before.version),
+        **{n: None if getattr(one, n) is None else getattr(one, n)[0] for n in _COUNTS},
     )
 
 
@@ -491,31 +518,8 @@ class StalenessTensorBoard(keras.callbacks.Callback):
 
     def _write_many(self, read, keep: list[int], steps: np.ndarray) -> None:
         """Writes the points of snapshots `keep` of `read`, in one go."""
-        now = read.stats(keep, self._snapshot)  # every array [K, ...]
         before = self._snapshot
-        diffs = {}
-        for name in (
-            "updates",
-            "dropped",
-            "staleness_sum",
-            "histogram",
-            "examples",
-            "lr_scale_sum",
-        ):
-            later, earlier = getattr(now, name), getattr(before, name)
-            if later is None or earlier is None:
-                diffs[name] = None
-                continue
-            diffs[name] = np.diff(np.concatenate([np.asarray(earlier)[None], later]), axis=0)
-        # Counters that went back (`Strategy.reset_statistics()` in between):
-        # the point covers all the counts since then.
-        reset = (diffs["updates"] < 0).any(axis=1) | (diffs["dropped"] < 0).any(axis=1)
-        reset |= (diffs["histogram"] < 0).any(axis=(1, 2))
-        if reset.any():
-            for name, diff in diffs.items():
-                if diff is not None:
-                    diff[reset] = getattr(now, name)[reset]
-        intervals = StalenessStats(version=0, staleness_max=before.staleness_max, **diffs)
+        intervals = _intervals(read.stats(keep, before), before)
         seconds, lost = [], []
         for at in read.times[keep].tolist():
             seconds.append(self._seconds_to(at))

@@ -249,14 +249,13 @@ class CounterSnapshots:
         if steps <= since:
             nothing = np.zeros([0], np.int64)
             return Snapshots(nothing, nothing * 1.0, nothing, nothing, nothing, 0, since, True)
-        now = self._store.statistics()
-        counters = self._store.counters.numpy()
+        store = self._store
         return Snapshots(
             indices=np.array([steps - 1]),
             times=np.array([time.time()]),
-            versions=np.array([now.version]),
-            counters=counters[None],
-            lr_scale_sums=np.asarray(now.lr_scale_sum)[None],
+            versions=store.version.numpy()[None],
+            counters=store.counters.numpy()[None],
+            lr_scale_sums=store.lr_scale_sum.numpy()[None],
             lost=0,
             next_index=steps,
             sampled=True,
