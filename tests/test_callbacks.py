@@ -468,6 +468,58 @@ def test_interval_figures_by_hand():
     np.testing.assert_allclose(plain.lr_scale, [1, 1])
 
 
+def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
+    """`write_many` (the callback's thread) writes what `write` would, point
+    by point: running totals, a replica with no update, no time, losses."""
+    from tensorboard.backend.event_processing import event_file_loader
+
+    info = metadata.RunInfo(2, ("CPU:0", "CPU:1"), 4, "batch", rule="inverse")
+    points = [
+        (stats([[1, 2, 0, 0], [0, 0, 0, 0]], [3, 0], [0, 0], [2.0, 0.0], [24, 0]), 0.5, None),
+        (stats([[0, 0, 0, 1], [2, 0, 0, 0]], [0, 2], [1, 0], [0.0, 2.0], [8, 16]), 0.0, None),
+        (stats([[4, 0, 0, 0], [0, 1, 1, 0]], [4, 2], [0, 0], [4.0, 1.5], [32, 16]), 0.25, [1, 0]),
+    ]
+    one_by_one = StalenessSummaryWriter(tmp_path / "one", info, rules=True)
+    for step, (interval, seconds, lost) in enumerate(points, start=1):
+        lost = None if lost is None else np.array(lost, bool)
+        one_by_one.write(step, interval, version=10 * step, seconds=seconds, lost=lost)
+    together = StalenessSummaryWriter(tmp_path / "many", info, rules=True)
+    together.write_many(
+        [1, 2, 3],
+        StalenessStats(
+            version=0,
+            staleness_max=points[0][0].staleness_max,
+            **{
+                name: np.stack([getattr(p[0], name) for p in points])
+                for name in ("updates", "dropped", "staleness_sum", "histogram")
+                + ("lr_scale_sum", "examples")
+            },
+        ),
+        np.array([10, 20, 30]),
+        np.array([p[1] for p in points]),
+        [None if p[2] is None else np.array(p[2], bool) for p in points],
+    )
+    for writer in (one_by_one, together):
+        writer.close()
+    np.testing.assert_array_equal(together.totals, one_by_one.totals)
+    events = [
+        [
+            (event.step, event.summary)
+            for event in event_file_loader.EventFileLoader(writer.path).Load()
+            if event.HasField("summary")
+        ]
+        for writer in (one_by_one, together)
+    ]
+    assert len(events[0]) == 3 and events[0] == events[1]
+    tags = [{value.tag for value in summary.value} for _, summary in events[0]]
+    # Replica 1 had no update at step 1, step 2 took no time, step 3 lost one.
+    mean, rate, lost = (metadata.MEAN, metadata.EXAMPLES_PER_SECOND, metadata.LOST)
+    assert metadata.tag(mean, 0) in tags[0] and metadata.tag(mean, 1) not in tags[0]
+    assert metadata.tag(rate, 0) in tags[0] and metadata.tag(rate, 0) not in tags[1]
+    assert metadata.tag(lost, 0) in tags[2] and metadata.tag(lost, 0) not in tags[1]
+    np.testing.assert_array_equal(together.totals[:, 0], [7, 4])
+
+
 def test_counters_that_went_back_start_a_new_count():
     before = stats([[4, 4]])
     after_reset = stats([[1, 0]])

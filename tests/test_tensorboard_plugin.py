@@ -300,6 +300,52 @@ def test_entry_point_and_static_files_are_declared():
 # -- the data, in process -----------------------------------------------------
 
 
+def test_hand_encoded_events_are_what_the_protocol_buffers_say(tmp_path):
+    """The writer encodes events by hand: they parse into the events the
+    protocol buffer library would make, metadata on each tag's first value."""
+    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
+
+    from tf_diffmap.tensorboard_plugin.event_file import EventFile
+    from tf_diffmap.tensorboard_plugin.summary import _Series
+
+    meta = summary_pb2.SummaryMetadata(
+        summary_description="d", plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="p")
+    )
+    scalar, matrix = _Series("a/scalar", meta), _Series("a/matrix", meta)
+    events = EventFile(tmp_path)
+    points = [
+        (0, 1.5, np.arange(6.0).reshape(2, 3)),
+        (2**40, 1e39, np.full((1, 3), -0.25)),  # beyond float32: infinite
+        (7, -3.0, np.zeros((0, 3))),
+    ]
+    for step, number, array in points:
+        content = array.astype("<f8").tobytes()
+        events.write_encoded(scalar.scalar(number) + matrix.matrix(content, array.shape), step)
+    events.close()
+    records = list(event_file_loader.EventFileLoader(events.path).Load())
+    assert records[0].file_version == "brain.Event:2"
+    for (step, number, array), event in zip(points, records[1:], strict=True):
+        first = step == 0
+        expected = summary_pb2.Summary()
+        value = expected.value.add(tag="a/scalar")
+        value.tensor.dtype = types_pb2.DT_FLOAT
+        value.tensor.tensor_shape.SetInParent()
+        value.tensor.float_val.append(np.inf if number > 3.5e38 else number)
+        if first:
+            value.metadata.CopyFrom(meta)
+        value = expected.value.add(tag="a/matrix")
+        value.tensor.CopyFrom(tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE))
+        for size in array.shape:
+            value.tensor.tensor_shape.dim.add().size = size
+        value.tensor.tensor_content = array.astype("<f8").tobytes()
+        if first:
+            value.metadata.CopyFrom(meta)
+        assert event.step == step and abs(event.wall_time - time.time()) < 60
+        assert event.summary == expected, (event.summary, expected)
+    assert np.isinf(records[2].summary.value[0].tensor.float_val[0])
+
+
 def test_data_functions_read_what_the_writer_wrote(tmp_path):
     """Edge cases without a server: a replica with no update in a point, the
     overflow bin, and queries for what is not there."""

@@ -17,7 +17,9 @@ condition left on by another callback (Keras' `TensorBoard` with an integer
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import struct
 
 import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -28,7 +30,7 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
-from tf_diffmap.tensorboard_plugin.event_file import EventFile
+from tf_diffmap.tensorboard_plugin.event_file import EventFile, field, varint
 
 __all__ = ["IntervalFigures", "interval_figures", "scalars_layout", "StalenessSummaryWriter"]
 
@@ -96,10 +98,8 @@ def interval_figures(interval: StalenessStats, version: int, seconds: float) -> 
     Returns:
         An `IntervalFigures`.
     """
-    (figures,) = interval_figures_many(
-        _stacked(interval), np.array([version]), np.array([float(seconds)])
-    )
-    return figures
+    stack = interval_figures_many(_stacked(interval), np.array([version]), [float(seconds)])
+    return stack.point(0)
 
 
 def _stacked(interval: StalenessStats) -> StalenessStats:
@@ -118,9 +118,45 @@ def _stacked(interval: StalenessStats) -> StalenessStats:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """The figures of K points, every array with a leading dimension of K
+    (see `IntervalFigures`); `histogram` is untrimmed, `bins[k]` the bins
+    point k shows, `examples_per_second[k]` None where `seconds[k]` <= 0."""
+
+    version: np.ndarray
+    updates: np.ndarray
+    claimed: np.ndarray
+    mean: np.ndarray
+    max: np.ndarray
+    histogram: np.ndarray
+    bins: np.ndarray
+    share: np.ndarray
+    examples_per_second: np.ndarray | None
+    timed: np.ndarray
+    dropped: np.ndarray
+    lr_scale: np.ndarray
+
+    def point(self, k: int) -> IntervalFigures:
+        return IntervalFigures(
+            version=int(self.version[k]),
+            updates=self.updates[k],
+            claimed=self.claimed[k],
+            mean=self.mean[k],
+            max=self.max[k],
+            histogram=self.histogram[k, :, : self.bins[k]],
+            share=self.share[k],
+            examples_per_second=None
+            if self.examples_per_second is None or not self.timed[k]
+            else self.examples_per_second[k],
+            dropped=self.dropped[k],
+            lr_scale=self.lr_scale[k],
+        )
+
+
 def interval_figures_many(
     intervals: StalenessStats, versions: np.ndarray, seconds: np.ndarray
-) -> list[IntervalFigures]:
+) -> _Stack:
     """`interval_figures` of K intervals at once.
 
     Args:
@@ -131,7 +167,7 @@ def interval_figures_many(
         seconds: `[K]` the training time each took.
 
     Returns:
-        K `IntervalFigures`.
+        The K points' figures, stacked.
     """
     # Batch-level points come by the dozen from the callback's thread while
     # the replicas run: each NumPy call covers every point and replica.
@@ -164,24 +200,20 @@ def interval_figures_many(
         examples_per_second = _ratio(
             columns[:, :, 2], np.broadcast_to(seconds[:, None], updates.shape)
         )
-    maxima = largest.astype(np.float64)
-    return [
-        IntervalFigures(
-            version=int(versions[k]),
-            updates=updates[k],
-            claimed=claimed[k],
-            mean=mean[k],
-            max=maxima[k],
-            histogram=histogram[k, :, : int(largest[k, -1]) + 1],
-            share=share[k],
-            examples_per_second=None
-            if examples_per_second is None or seconds[k] <= 0
-            else examples_per_second[k],
-            dropped=dropped[k],
-            lr_scale=lr_scale[k],
-        )
-        for k in range(points)
-    ]
+    return _Stack(
+        version=np.asarray(versions, np.int64),
+        updates=updates,
+        claimed=claimed,
+        mean=mean,
+        max=largest.astype(np.float64),
+        histogram=histogram,
+        bins=largest[:, -1] + 1,
+        share=share,
+        examples_per_second=examples_per_second,
+        timed=seconds > 0,
+        dropped=dropped,
+        lr_scale=lr_scale,
+    )
 
 
 def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
@@ -267,57 +299,72 @@ def histogram_buckets(counts: np.ndarray) -> np.ndarray:
     return buckets
 
 
-def _set_matrix(tensor: tensor_pb2.TensorProto, array: np.ndarray) -> None:
-    array = np.ascontiguousarray(array, dtype="<f8")
-    dims = tensor.tensor_shape.dim
-    if len(dims) != array.ndim:
-        del dims[:]
-        dims.add().size = 0
-        for _ in range(array.ndim - 1):
-            dims.add().size = 0
-    for dim, size in zip(dims, array.shape):
-        dim.size = size
-    tensor.tensor_content = array.tobytes()
+# A scalar's tensor up to its value: float32 (as `tf.summary.scalar`
+# writes; TensorBoard's data server takes no other scalar type), shape [],
+# one packed float (4 bytes) in `float_val`.
+_SCALAR_TENSOR = b"\x08" + varint(types_pb2.DT_FLOAT) + field(2, b"") + b"\x2a\x04"
+_DOUBLE_TENSOR = b"\x08" + varint(types_pb2.DT_DOUBLE)
+_BUCKET_BYTES = 3 * 8  # a histogram bucket: left edge, right edge, count
+_FLOAT = struct.Struct("<f")
+
+
+def _float32(number: float) -> bytes:
+    try:
+        return _FLOAT.pack(number)
+    except OverflowError:  # beyond float32: infinite, as a cast would make it
+        return _FLOAT.pack(math.copysign(math.inf, number))
 
 
 class _Series:
-    """The `Summary.Value` of one tag, reused from point to point.
+    """One tag's values, each encoded as a `Summary`'s `value` field.
 
-    Building a fresh protocol buffer for each of a point's values costs
-    several times more than updating one in place.
+    A point writes some forty values; each is the bytes of its tag (made once
+    per tag, and per shape of a matrix) followed by its number or content:
+    about a third of what filling protocol buffers cost. The first value of a
+    tag in an event file carries the tag's metadata, as TensorFlow's own
+    writer does: TensorBoard keeps the first it reads.
     """
 
-    __slots__ = ("value", "_floats", "_described")
+    __slots__ = ("_tag", "_metadata", "_scalar", "_matrices")
 
-    def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata, dtype: int):
-        self.value = summary_pb2.Summary.Value(tag=tag, tensor=tensor_pb2.TensorProto(dtype=dtype))
-        self.value.tensor.tensor_shape.SetInParent()
-        # Like TensorFlow's own writer, the first value of a tag in an event
-        # file carries its metadata; TensorBoard keeps the first it reads.
-        self.value.metadata.CopyFrom(summary_metadata)
-        self._floats = self.value.tensor.float_val
-        self._described = False
+    def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata):
+        self._tag = field(1, tag.encode())  # Value: tag 1, tensor 8, metadata 9
+        self._metadata = field(9, summary_metadata.SerializeToString())
+        self._scalar: bytes | None = None
+        self._matrices: dict[tuple[int, ...], bytes] = {}
 
-    def scalar(self, number: float) -> summary_pb2.Summary.Value:
-        if self._described:  # every point but a tag's first
-            self._floats[0] = number
-            return self.value
-        self._floats.append(number)
-        return self._next()
+    def scalar(self, number: float) -> bytes:
+        """A scalar value (float32)."""
+        if self._scalar is None:
+            if self._metadata:
+                return self._first(_SCALAR_TENSOR + _float32(number))
+            self._scalar = self._until_last(_SCALAR_TENSOR, 4)
+        return self._scalar + _float32(number)
 
-    def matrix(self, array: np.ndarray) -> summary_pb2.Summary.Value:
-        _set_matrix(self.value.tensor, array)
-        return self._next()
+    def matrix(self, content: bytes, shape: tuple[int, ...]) -> bytes:
+        """A float64 tensor value of `shape` (e.g. a histogram), from its
+        little-endian `content`."""
+        prefix = self._matrices.get(shape)
+        if prefix is None:
+            # TensorProto: dtype 1, tensor_shape 2 (its dims 2, each with
+            # size 1), tensor_content 4, last.
+            dims = b"".join(field(2, b"\x08" + varint(n) if n else b"") for n in shape)
+            tensor = _DOUBLE_TENSOR + field(2, dims) + b"\x22" + varint(len(content))
+            if self._metadata:
+                return self._first(tensor + content)
+            prefix = self._matrices[shape] = self._until_last(tensor, len(content))
+        return prefix + content
 
-    def _next(self) -> summary_pb2.Summary.Value:
-        value = self.value
-        if self._described:
-            return value
-        self._described = True
-        described = summary_pb2.Summary.Value()
-        described.CopyFrom(value)
-        value.ClearField("metadata")
-        return described
+    def _first(self, tensor: bytes) -> bytes:
+        value = field(1, self._tag + field(8, tensor) + self._metadata)
+        self._metadata = b""
+        return value
+
+    def _until_last(self, tensor: bytes, size: int) -> bytes:
+        """A value's encoding but its last `size` bytes (the tensor's number
+        or content, of that fixed size), without metadata."""
+        value = field(1, self._tag + field(8, tensor + bytes(size)))
+        return value[: len(value) - size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +445,6 @@ class StalenessSummaryWriter:
             if series == metadata.DISTRIBUTION:
                 meta = histogram_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
                 meta.data_class = summary_pb2.DATA_CLASS_TENSOR
-                dtype = types_pb2.DT_DOUBLE
             elif series == metadata.TOTALS:
                 meta = summary_pb2.SummaryMetadata(
                     summary_description="Running totals per replica: "
@@ -408,14 +454,10 @@ class StalenessSummaryWriter:
                     ),
                     data_class=summary_pb2.DATA_CLASS_TENSOR,
                 )
-                dtype = types_pb2.DT_DOUBLE
             else:
                 meta = scalar_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
                 meta.data_class = summary_pb2.DATA_CLASS_SCALAR
-                # float32 as `tf.summary.scalar` writes: TensorBoard's data
-                # server takes no other scalar type.
-                dtype = types_pb2.DT_FLOAT
-            found = self._series[series, replica] = _Series(tag, meta, dtype)
+            found = self._series[series, replica] = _Series(tag, meta)
         return found
 
     def point(
@@ -424,8 +466,9 @@ class StalenessSummaryWriter:
         version: int,
         seconds: float,
         lost: np.ndarray | None = None,
-    ) -> list[summary_pb2.Summary.Value]:
-        """The values of one point (and adds its counts to the totals).
+    ) -> bytes:
+        """One point's values, an encoded `Summary` (and adds its counts to
+        the totals).
 
         Args:
             interval: the counts since the previous point.
@@ -435,52 +478,76 @@ class StalenessSummaryWriter:
                 writes no `metadata.LOST` values.
 
         Returns:
-            The `Summary.Value`s to write, in an order that keeps each
-            replica's series together. They are reused by the next call:
-            write them before.
+            The point's `Summary`, its values in an order that keeps each
+            replica's series together; a tag's first value carries its
+            metadata, so write every point returned, in order.
         """
-        return self._values(interval, interval_figures(interval, version, seconds), lost)
+        intervals = _stacked(interval)
+        stack = interval_figures_many(intervals, np.array([version]), [float(seconds)])
+        (summary,) = self._summaries(intervals, stack, [lost])
+        return summary
 
-    def _values(
-        self, interval: StalenessStats, figures: IntervalFigures, lost: np.ndarray | None
-    ) -> list[summary_pb2.Summary.Value]:
-        totals = self.totals
-        totals[:, 0] += interval.updates
-        totals[:, 1] += interval.dropped
-        if interval.examples is not None:
-            totals[:, 2] += interval.examples
-        totals[:, 3] += interval.staleness_sum
-        np.maximum(totals[:, 4], figures.max[:-1], out=totals[:, 4])
+    def _summaries(
+        self, intervals: StalenessStats, stack: _Stack, lost: list[np.ndarray | None]
+    ) -> list[bytes]:
+        """The `Summary` of each of K points (`point` of each, in order)."""
+        points, replicas = intervals.updates.shape
+        # The running totals at each point.
+        added = np.zeros((points, replicas, len(metadata.TOTALS_COLUMNS)))
+        added[:, :, 0] = intervals.updates
+        added[:, :, 1] = intervals.dropped
+        if intervals.examples is not None:
+            added[:, :, 2] = intervals.examples
+        added[:, :, 3] = intervals.staleness_sum
+        totals = self.totals + np.cumsum(added, axis=0)
+        totals[:, :, 4] = np.maximum.accumulate(
+            np.maximum(self.totals[:, 4], stack.max[:, :-1]), axis=0
+        )
+        self.totals = totals[-1].copy()
+        totals_shape = self.totals.shape
+        totals = np.ascontiguousarray(totals, dtype="<f8").tobytes()
+        totals_size = len(totals) // points
 
-        # Plain floats, read once: indexing NumPy arrays value by value
-        # costs more than the protocol buffers.
-        claimed = figures.claimed.tolist()
-        mean, largest = figures.mean.tolist(), figures.max.tolist()
-        updates, share = figures.updates.tolist(), figures.share.tolist()
-        eps = None if figures.examples_per_second is None else figures.examples_per_second.tolist()
-        dropped, lr_scale = figures.dropped.tolist(), figures.lr_scale.tolist()
-        buckets = histogram_buckets(figures.histogram)
-        values = []
-        add = values.append
-        for i, row in enumerate(self._rows):
-            if claimed[i] > 0:
-                add(row.mean.scalar(mean[i]))
-                add(row.max.scalar(largest[i]))
-                add(row.distribution.matrix(buckets[i]))
-            add(row.updates.scalar(updates[i]))
-            if row.share is not None:
-                add(row.share.scalar(share[i]))
-            if eps is not None:
-                add(row.examples_per_second.scalar(eps[i]))
-            if self.rules:
-                add(row.dropped.scalar(dropped[i]))
-                if updates[i] > 0:
-                    add(row.lr_scale.scalar(lr_scale[i]))
-            if lost is not None:
-                add(row.lost.scalar(float(lost[i]) if i < len(lost) else float(np.sum(lost))))
-        add(self._version.scalar(figures.version))
-        add(self._totals.matrix(totals))
-        return values
+        # Plain floats and bytes, made once for all K points: NumPy calls
+        # value by value would cost more than encoding the values.
+        claimed, mean = stack.claimed.tolist(), stack.mean.tolist()
+        largest, updates = stack.max.tolist(), stack.updates.tolist()
+        share, dropped = stack.share.tolist(), stack.dropped.tolist()
+        lr_scale, versions = stack.lr_scale.tolist(), stack.version.tolist()
+        timed = stack.timed.tolist()
+        eps = None if stack.examples_per_second is None else stack.examples_per_second.tolist()
+        # Point k's histogram of row i: its first bins[k] buckets of 3 floats.
+        buckets = np.ascontiguousarray(histogram_buckets(stack.histogram), dtype="<f8")
+        row_size = buckets[0, 0].nbytes
+        buckets = buckets.tobytes()
+        bins = stack.bins.tolist()
+        summaries = []
+        for k in range(points):
+            values = []
+            add = values.append
+            shape = (bins[k], 3)
+            start = k * len(self._rows) * row_size
+            for i, row in enumerate(self._rows):
+                if claimed[k][i] > 0:
+                    add(row.mean.scalar(mean[k][i]))
+                    add(row.max.scalar(largest[k][i]))
+                    at = start + i * row_size
+                    add(row.distribution.matrix(buckets[at : at + shape[0] * _BUCKET_BYTES], shape))
+                add(row.updates.scalar(updates[k][i]))
+                if row.share is not None:
+                    add(row.share.scalar(share[k][i]))
+                if eps is not None and timed[k]:
+                    add(row.examples_per_second.scalar(eps[k][i]))
+                if self.rules:
+                    add(row.dropped.scalar(dropped[k][i]))
+                    if updates[k][i] > 0:
+                        add(row.lr_scale.scalar(lr_scale[k][i]))
+                if lost[k] is not None:
+                    add(row.lost.scalar(float(lost[k][i] if i < replicas else np.sum(lost[k]))))
+            add(self._version.scalar(versions[k]))
+            add(self._totals.matrix(totals[k * totals_size : (k + 1) * totals_size], totals_shape))
+            summaries.append(b"".join(values))
+        return summaries
 
     # -- what the callback calls ------------------------------------------
 
@@ -515,7 +582,7 @@ class StalenessSummaryWriter:
             seconds: the training time since the previous point.
             lost: per replica, whether it was lost at this point (see `point`).
         """
-        self._file.write(self.point(interval, version, seconds, lost), step)
+        self._file.write_encoded(self.point(interval, version, seconds, lost), step)
 
     def write_many(
         self,
@@ -536,19 +603,10 @@ class StalenessSummaryWriter:
             seconds: `[K]` the training time since each point's previous one.
             lost: per point, per replica, whether it was lost (or None).
         """
-        figures = interval_figures_many(intervals, versions, seconds)
-        for k, step in enumerate(steps):
-            interval = StalenessStats(
-                version=0,
-                updates=intervals.updates[k],
-                dropped=intervals.dropped[k],
-                staleness_sum=intervals.staleness_sum[k],
-                staleness_max=intervals.staleness_max,
-                histogram=intervals.histogram[k],
-                examples=None if intervals.examples is None else intervals.examples[k],
-            )
-            point_lost = None if lost is None else lost[k]
-            self._file.write(self._values(interval, figures[k], point_lost), step)
+        stack = interval_figures_many(intervals, versions, seconds)
+        lost = [None] * len(steps) if lost is None else lost
+        for step, summary in zip(steps, self._summaries(intervals, stack, lost), strict=True):
+            self._file.write_encoded(summary, step)
 
     def flush(self) -> None:
         """Writes buffered points to disk."""
