@@ -7,9 +7,9 @@ file of its own (`event_file.py`).
 
 The values are the tensors `tf.summary.scalar` and `tf.summary.histogram`
 would write, with the same plugin metadata, so TensorBoard reads them as
-scalars and histograms; they are built as protocol buffers in Python rather
-than with TensorFlow ops because a point per batch must cost little (see
-`event_file.py`). Writing needs no `tf.summary` state, so a recording
+scalars and histograms; they are encoded in Python (the protocol buffer
+wire format, `_Series`) rather than with TensorFlow ops because a point per
+batch must cost little (see `event_file.py`). Writing needs no `tf.summary` state, so a recording
 condition left on by another callback (Keras' `TensorBoard` with an integer
 `update_freq`, tensorflow/tensorboard#4975) cannot drop these summaries.
 """
