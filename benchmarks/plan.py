@@ -125,6 +125,11 @@ class Plan:
         cluster_ps: parameter-server tasks of both clusters.
         cluster_model: a key of `workloads.MODELS` (digits-shaped random data).
         cluster_batch_size: the global batch size there.
+        cluster_update_batch_row: also run tf_diffmap on the cluster at a global
+            batch of `cluster_batch_size` per worker, so that each of its updates
+            trains on as many examples as a ParameterServerStrategy step (which
+            trains a whole batch on one worker; tf_diffmap splits a step's batch
+            over the replicas).
         cluster_examples_per_epoch: examples of one epoch there.
         cluster_min_epochs: a cluster window lasts at least this many epochs...
         cluster_min_seconds: ... and at least this many seconds.
@@ -216,6 +221,7 @@ class Plan:
     cluster_ps: int = 1
     cluster_model: str = "mlp_wide"
     cluster_batch_size: int = 128
+    cluster_update_batch_row: bool = True
     cluster_examples_per_epoch: int = 4096
     cluster_min_epochs: int = 3
     cluster_min_seconds: float = 3.0
@@ -465,7 +471,8 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """The same workload on a localhost cluster, in one process, and under PSS."""
+    """The same workload on a localhost cluster, in one process, and under PSS;
+    and tf_diffmap on the cluster with PSS' examples per update."""
     task = {
         "kind": "cluster",
         "model": plan.cluster_model,
@@ -475,6 +482,10 @@ def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
         "min_epochs": plan.cluster_min_epochs,
         "min_seconds": plan.cluster_min_seconds,
     }
+    runs = [(contender, task) for contender in plan.cluster_contenders]
+    if plan.cluster_update_batch_row and "tf_diffmap_cluster" in plan.cluster_contenders:
+        per_update = {**task, "batch_size": plan.cluster_batch_size * plan.cluster_workers}
+        runs.insert(1, ("tf_diffmap_cluster", per_update))
     return [
         {
             "contender": contender,
@@ -485,7 +496,7 @@ def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
             "seed": plan.seed,
             "tasks": [task],
         }
-        for contender in plan.cluster_contenders
+        for contender, task in runs
     ]
 
 

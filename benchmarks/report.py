@@ -85,6 +85,13 @@ TARGETS = (
         ">=",
         3.0,
     ),
+    (
+        "cluster_vs_parameter_server_per_update",
+        "Cluster: tf_diffmap, each update on as many examples as a ParameterServerStrategy "
+        "step (global batch x workers) / ParameterServerStrategy",
+        ">=",
+        3.0,
+    ),
     # The threshold of fault_outage is the surviving workers' share, (W - 1) / W:
     # 2/3 with the presets' 3 workers (`_fault_targets` sets it from the plan).
     (
@@ -103,7 +110,11 @@ TARGETS = (
 
 # The targets each workload's own section shows (the rest are the timed ones).
 CONTROL_TARGETS = ("control_spe16", "control_spe1")
-CLUSTER_TARGETS = ("cluster_vs_in_process", "cluster_vs_parameter_server")
+CLUSTER_TARGETS = (
+    "cluster_vs_in_process",
+    "cluster_vs_parameter_server",
+    "cluster_vs_parameter_server_per_update",
+)
 FAULT_TARGETS = ("fault_outage", "fault_after")
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
@@ -408,18 +419,22 @@ def _control(runs) -> list[dict[str, Any]]:
 
 def _cluster(runs) -> list[dict[str, Any]]:
     """Per contender: examples/s of the cluster workload and a replica's time per update."""
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for session, _, result in _tasks(runs, "cluster"):
-        groups[session["contender"]].append({**result, "_devices": session.get("devices")})
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for session, task, result in _tasks(runs, "cluster"):
+        groups[session["contender"], task["batch_size"]].append(
+            {**result, "_devices": session.get("devices")}
+        )
     order = {name: i for i, name in enumerate(CONTENDERS)}
     rows = []
-    for contender, results in sorted(groups.items(), key=lambda item: order[item[0]]):
+    for (contender, batch_size), results in sorted(
+        groups.items(), key=lambda item: (order[item[0][0]], item[0][1])
+    ):
+        name = "tf_diffmap, one process" if contender == "tf_diffmap" else label(contender)
         rows.append(
             {
                 "contender": contender,
-                "label": "tf_diffmap, one process"
-                if contender == "tf_diffmap"
-                else label(contender),
+                "batch_size": batch_size,
+                "label": f"{name}, batch {batch_size}",
                 "devices": results[0]["_devices"],
                 "examples_per_second": _spread(r["examples_per_second"] for r in results),
                 "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
@@ -475,18 +490,24 @@ def _control_targets(control) -> list[dict[str, Any]]:
     ]
 
 
-def _cluster_targets(cluster, tf_keras) -> list[dict[str, Any]]:
-    def eps(contender):
-        row = _find(cluster, contender=contender)
+def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
+    def eps(contender, batch_size=plan.cluster_batch_size):
+        row = _find(cluster, contender=contender, batch_size=batch_size)
         return row["examples_per_second"]["median"] if row else None
 
     ours = eps("tf_diffmap_cluster")
+    pss = eps("parameter_server")
+    per_update = plan.cluster_batch_size * plan.cluster_workers
+    missing = "" if tf_keras.get("available") else "tf-keras not available (see above)"
     return [
         _target("cluster_vs_in_process", _ratio(ours, eps("tf_diffmap"))),
+        _target("cluster_vs_parameter_server", _ratio(ours, pss), note=missing),
         _target(
-            "cluster_vs_parameter_server",
-            _ratio(ours, eps("parameter_server")),
-            note="" if tf_keras.get("available") else "tf-keras not available (see above)",
+            "cluster_vs_parameter_server_per_update",
+            _ratio(eps("tf_diffmap_cluster", per_update), pss),
+            note=missing
+            or f"tf_diffmap at global batch {per_update}, ParameterServerStrategy at "
+            f"{plan.cluster_batch_size}",
         ),
     ]
 
@@ -818,7 +839,7 @@ def build(
     if "control" in plan.workloads:
         targets += _control_targets(control)
     if "cluster" in plan.workloads:
-        targets += _cluster_targets(cluster, tf_keras)
+        targets += _cluster_targets(cluster, plan, tf_keras)
     if "fault_timeline" in plan.workloads:
         targets += _fault_targets(plan, fault_timeline)
     return {
@@ -1269,8 +1290,17 @@ def _cluster_section(results) -> list[str]:
         "",
         *_targets_table(results, CLUSTER_TARGETS),
         "",
-        f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}, "
-        f"Adam {plan['learning_rate']:g}, a repeated `tf.data` input with steps_per_epoch "
+        f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}"
+        + (
+            f" (and {plan['cluster_batch_size'] * plan['cluster_workers']} for tf_diffmap on "
+            "the cluster: a ParameterServerStrategy step trains a whole batch on one worker, "
+            "a tf_diffmap step splits its batch over the replicas, one update each; at "
+            f"{plan['cluster_batch_size'] * plan['cluster_workers']} an update trains as many "
+            "examples as a ParameterServerStrategy step)"
+            if plan.get("cluster_update_batch_row")
+            else ""
+        )
+        + f", Adam {plan['learning_rate']:g}, a repeated `tf.data` input with steps_per_epoch "
         f"({plan['cluster_examples_per_epoch']:,} examples an epoch). tf_diffmap on "
         f"`LocalCluster(workers={plan['cluster_workers']}, ps={plan['cluster_ps']})` (one "
         "replica per worker task, the store on the ps task, each worker building its own "

@@ -158,12 +158,17 @@ def test_smoke_control_and_cluster(tmp_path):
             assert row["updates_per_step"] == 4
             assert row["updates_counted"] == row["updates_expected"]
 
-    cluster = {r["contender"]: r for r in results["cluster"]}
-    expected = {"tf_diffmap_cluster", "tf_diffmap"}
+    batch, workers = results["plan"]["cluster_batch_size"], results["plan"]["cluster_workers"]
+    cluster = {(r["contender"], r["batch_size"]): r for r in results["cluster"]}
+    # tf_diffmap on the cluster also at PSS' examples per update.
+    expected = {("tf_diffmap_cluster", batch), ("tf_diffmap_cluster", batch * workers)}
+    expected.add(("tf_diffmap", batch))
     if results["tf_keras"]["available"]:
-        expected.add("parameter_server")
+        expected.add(("parameter_server", batch))
     assert set(cluster) == expected
-    assert all(d.startswith("/job:worker/") for d in cluster["tf_diffmap_cluster"]["devices"])
+    for key in expected:
+        if key[0] == "tf_diffmap_cluster":
+            assert all(d.startswith("/job:worker/") for d in cluster[key]["devices"])
     for row in cluster.values():
         assert row["examples_per_second"]["median"] > 0
         assert row["replica_ms_per_update"]["median"] > 0
@@ -172,6 +177,7 @@ def test_smoke_control_and_cluster(tmp_path):
     for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
         assert targets[key]["measured"] > 0 and targets[key]["met"] in (True, False)
     assert "cluster_vs_parameter_server" in targets
+    assert "cluster_vs_parameter_server_per_update" in targets
     markdown = (tmp_path / "results.md").read_text()
     assert "## Control path" in markdown and "## Cluster" in markdown
     assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
