@@ -271,8 +271,11 @@ def loop_function(
     def loop(replica_id, max_steps, *sources):
         claims_before, failed = start(replica_id)
 
+        # Each iteration takes one item, and a STOP ends the loop: at most
+        # `max_steps` iterations take at most `max_steps` shards. The bound is
+        # the loop's own counter, not one more value carried through it.
         def cond(taken, stopped, claims):
-            return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
+            return tf.logical_not(stopped)
 
         def body(taken, stopped, claims):
             stop, item = channel.take()
@@ -302,6 +305,7 @@ def loop_function(
             body,
             [tf.constant(0, tf.int32), tf.constant(False), claims_before],
             parallel_iterations=1,
+            maximum_iterations=max_steps,
         )
         return taken, stopped
 
