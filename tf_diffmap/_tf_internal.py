@@ -292,6 +292,18 @@ def _place(op, device: tuple) -> None:
     op._set_device(spec.to_string())  # noqa: SLF001
 
 
+def _placed_by_scope(op, away: tuple | None) -> bool:
+    """Whether `op` is where the step's device scope put it, and nothing
+    else (a `colocate_with`) ties it to another op."""
+    if _device_key(op.device) != away:
+        return False
+    try:
+        op.get_attr("_class")
+    except ValueError:
+        return True
+    return False
+
+
 def place_scalars_beside_reads(graph, replica_device: str) -> int:
     """Places a traced step's scalar ops that use only values read from one
     other device on that device.
@@ -349,7 +361,7 @@ def place_scalars_beside_reads(graph, replica_device: str) -> int:
             continue
         device = sources.pop() if len(sources) == 1 else None
         scalar = all(t.shape.rank == 0 for t in op.outputs)
-        inherited = _device_key(op.device) == away  # placed by the step's scope, not by its code
+        inherited = _placed_by_scope(op, away)
         if device is not None and device != away and scalar and inherited:
             _place(op, device)
             where[op.name] = device
@@ -361,7 +373,7 @@ def place_scalars_beside_reads(graph, replica_device: str) -> int:
             continue
         consumers = [c for t in op.outputs for c in t.consumers()]
         devices = {beside.get(c.name) for c in consumers}
-        inherited = _device_key(op.device) == away
+        inherited = _placed_by_scope(op, away)
         if consumers and inherited and len(devices) == 1 and None not in devices:
             device = devices.pop()
             _place(op, device)
