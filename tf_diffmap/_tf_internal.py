@@ -96,6 +96,9 @@ def compatibility_problems() -> list[str]:
         problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
+    for name in ("_set_device", "_is_stateful"):
+        if not hasattr(tf.Operation, name):
+            problems.append(f"tf.Operation.{name} is gone")
     return problems
 
 
