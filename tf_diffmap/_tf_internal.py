@@ -96,6 +96,9 @@ def compatibility_problems() -> list[str]:
         problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
+    for name in ("_set_device", "_is_stateful"):
+        if not hasattr(tf.Operation, name):
+            problems.append(f"tf.Operation.{name} is gone")
     return problems
 
 
@@ -268,6 +271,118 @@ _replica_tracing = _ReplicaTracing()
 
 def replica_tracing() -> _ReplicaTracing:
     return _replica_tracing
+
+
+# -- where a replica step's bookkeeping runs ---------------------------------
+
+
+def _device_key(name: str | None) -> tuple | None:
+    if not name:
+        return None
+    spec = tf.DeviceSpec.from_string(name)
+    return (
+        spec.job or "localhost",
+        spec.replica or 0,
+        spec.task or 0,
+        spec.device_type,
+        spec.device_index,
+    )
+
+
+def _place(op, device: tuple) -> None:
+    job, replica, task, device_type, device_index = device
+    spec = tf.DeviceSpec(job, replica, task, device_type, device_index)
+    op._set_device(spec.to_string())  # noqa: SLF001
+
+
+def _placed_by_scope(op, away: tuple | None) -> bool:
+    """Whether `op` is where the step's device scope put it, and nothing
+    else (a `colocate_with`) ties it to another op."""
+    if _device_key(op.device) != away:
+        return False
+    try:
+        op.get_attr("_class")
+    except ValueError:
+        return True
+    return False
+
+
+def place_scalars_beside_reads(graph, replica_device: str) -> int:
+    """Places a traced step's scalar ops that use only values read from one
+    other device on that device.
+
+    A replica step is traced on its replica's device, and so is the
+    arithmetic it does on what it reads from the parameter store: a metric's
+    `total / count`, a constant added to a counter. Run on the replica's
+    device, each such scalar travels to it and back, a transfer between
+    devices at every step; run beside the variables it reads, it does not.
+    An op moves when it is stateless, every output is a scalar, and its
+    inputs are values read from variables of one device other than the
+    replica's (or ops that moved there), besides constants; a constant moves
+    with the ops that use it, when they are all there. Only where ops run
+    changes: every value and every dependency stays as traced. Ops of
+    nested graphs (conditionals' branches) are left where they are.
+
+    Uses the private `Operation._set_device`, the one way to place an op of
+    a graph being traced after it was made.
+
+    Args:
+        graph: the step's graph, while it is traced (before it becomes a
+            function).
+        replica_device: the replica's device.
+
+    Returns:
+        How many ops moved.
+    """
+    away = _device_key(replica_device)
+    handles = {
+        id(internal): _device_key(external.device)
+        for external, internal in graph.captures
+        if getattr(external, "dtype", None) == tf.resource and getattr(external, "device", "")
+    }
+    constant = object()
+    where: dict[str, object] = {}
+    beside: dict[str, tuple] = {}  # ops placed on a device other than the replica's
+    moved = 0
+    operations = graph.get_operations()
+    for op in operations:
+        if op.type == "ReadVariableOp":
+            where[op.name] = handles.get(id(op.inputs[0]))
+            continue
+        if op.type == "Const":
+            where[op.name] = constant
+            continue
+        if op._is_stateful or not op.inputs or not op.outputs:  # noqa: SLF001
+            if op.inputs and op.inputs[0].dtype == tf.resource:
+                device = handles.get(id(op.inputs[0]))
+                if device is not None and device != away:
+                    beside[op.name] = device
+            continue
+        sources = {where.get(t.op.name) for t in op.inputs} - {constant}
+        if not sources:
+            where[op.name] = constant
+            continue
+        device = sources.pop() if len(sources) == 1 else None
+        scalar = all(t.shape.rank == 0 for t in op.outputs)
+        inherited = _placed_by_scope(op, away)
+        if device is not None and device != away and scalar and inherited:
+            _place(op, device)
+            where[op.name] = device
+            beside[op.name] = device
+            moved += 1
+    # Constants (and ops of constants only) follow their consumers, last first.
+    for op in reversed(operations):
+        if where.get(op.name) is not constant:
+            continue
+        consumers = [c for t in op.outputs for c in t.consumers()]
+        devices = {beside.get(c.name) for c in consumers}
+        inherited = _placed_by_scope(op, away)
+        if consumers and inherited and len(devices) == 1 and None not in devices:
+            device = devices.pop()
+            _place(op, device)
+            beside[op.name] = device
+            moved += 1
+    return moved
 
 
 # -- the eager context's cluster (faults across hosts) -----------------------

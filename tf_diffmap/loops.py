@@ -174,6 +174,18 @@ class ShardChannel:
                     tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
                 )
 
+    def pass_by(self, replica_id: tf.Tensor, counted: tf.Tensor) -> tf.Operation:
+        """Lets go of a taken item unapplied: counted done if `counted` (a
+        shard), not at all otherwise (a STOP)."""
+        with tf.device(self.counter_device):
+            counts = self.progress.scatter_nd_add(
+                [[_DONE]], tf.reshape(tf.cast(counted, tf.int64), [1])
+            )
+            with tf.control_dependencies([counts]):
+                return self.holding.scatter_nd_update(
+                    tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
+                )
+
     # -- from Python ----------------------------------------------------------
 
     def pending(self) -> int:
@@ -259,11 +271,19 @@ def loop_function(
     def loop(replica_id, max_steps, *sources):
         claims_before, failed = start(replica_id)
 
+        # Each iteration takes one item, and a STOP ends the loop: at most
+        # `max_steps` iterations take at most `max_steps` shards. The bound is
+        # the loop's own counter, not one more value carried through it.
         def cond(taken, stopped, claims):
-            return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
+            return tf.logical_not(stopped)
 
         def body(taken, stopped, claims):
             stop, item = channel.take()
+            # One conditional per item: a shard either runs or is passed
+            # by, and a STOP is passed by uncounted. A STOP's stamp is 0,
+            # which its replica's cell of `holding` already reads.
+            runs = tf.logical_not(tf.logical_or(stop, skip(item, failed)))
+            stamped = tf.where(stop, tf.constant(0, tf.int64), tf.cast(stamp(replica_id), tf.int64))
 
             def apply():
                 shard = fetch(item, *sources) if fetch is not None else item
@@ -272,29 +292,20 @@ def loop_function(
                     with tf.control_dependencies([channel.done(replica_id)]):
                         return tf.identity(after)
 
-            def drop():
-                with tf.control_dependencies([channel.done(replica_id)]):
+            def pass_by():
+                with tf.control_dependencies([channel.pass_by(replica_id, tf.logical_not(stop))]):
                     return tf.identity(claims)
 
-            def take_item():
-                with tf.control_dependencies([channel.hold(replica_id, stamp(replica_id))]):
-                    return tf.cond(skip(item, failed), drop, apply)
-
-            def end():
-                return tf.identity(claims)
-
-            claims_after = tf.cond(stop, end, take_item)
-            return (
-                taken + tf.cast(tf.logical_not(stop), tf.int32),
-                tf.identity(stop),
-                claims_after,
-            )
+            with tf.control_dependencies([channel.hold(replica_id, stamped)]):
+                claims_after = tf.cond(runs, apply, pass_by)
+            return taken + tf.cast(tf.logical_not(stop), tf.int32), stop, claims_after
 
         taken, stopped, _ = tf.while_loop(
             cond,
             body,
             [tf.constant(0, tf.int32), tf.constant(False), claims_before],
             parallel_iterations=1,
+            maximum_iterations=max_steps,
         )
         return taken, stopped
 

@@ -113,14 +113,22 @@ class Program:
         dtype_policy = keras.config.dtype_policy()
         result: dict[str, Any] = {}
 
+        # Shards that come from the client host (no input on the workers) are
+        # counted there, beside the statistics that record their examples,
+        # rather than on the replica's device, whence the count would travel
+        # back at every step.
+        counted_on_host = extended.worker_hosts is None
+
         def make_replica_step(device):
             def step_on_device(replica_id, *tensors):
                 args, kwargs = self._pack(tensors)
+                with tf.device(extended.client_host if counted_on_host else device):
+                    examples = batch_size(tensors)
                 with (
                     tf.device(device),
                     tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
                 ):
-                    state = StepState(extended._store, replica_id, batch_size(tensors))
+                    state = StepState(extended._store, replica_id, examples)
                     with tracing_step(state):
                         with tf.control_dependencies([state.read_version]):
                             outputs = fn(*args, **kwargs)
@@ -128,6 +136,9 @@ class Program:
                     # Claims this replica has made in all (read after this
                     # step's records): a claim inside a branch may not run.
                     claims = extended._store.claims_of(replica_id)
+                    _tf_internal.place_scalars_beside_reads(
+                        tf.compat.v1.get_default_graph(), device
+                    )
                 result.setdefault("trains", state.claimed)
                 return outputs, claims
 
