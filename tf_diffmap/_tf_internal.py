@@ -17,6 +17,8 @@ from collections.abc import Callable
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 
+from tf_diffmap.devices import task_of
+
 TESTED_TENSORFLOW = ("2.21",)
 
 # Base classes of the strategy (public names for private classes).
@@ -280,13 +282,7 @@ def _device_key(name: str | None) -> tuple | None:
     if not name:
         return None
     spec = tf.DeviceSpec.from_string(name)
-    return (
-        spec.job or "localhost",
-        spec.replica or 0,
-        spec.task or 0,
-        spec.device_type,
-        spec.device_index,
-    )
+    return (*task_of(name), spec.device_type, spec.device_index)
 
 
 def _place(op, device: tuple) -> None:

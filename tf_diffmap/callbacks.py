@@ -168,8 +168,9 @@ class StalenessTensorBoard(keras.callbacks.Callback):
 
     Points are written from the strategy's counters only, read without
     waiting for the replicas. For batch-level points, Keras' graph copies the
-    counters at the end of every `update_freq`-th step (a few native ops, so
-    that every batch can have its point, with `steps_per_execution` too), and
+    counters at the end of every step while the callback reads them (a few
+    native ops, so that every batch can have its point, with
+    `steps_per_execution` too), and
     a thread of the callback's own reads the copies in bulk and writes the
     points; the training loop only counts batches. A point costs a few
     hundredths of a millisecond of CPU (`point_cpu_seconds` has the figures
@@ -523,7 +524,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         seconds, lost = [], []
         for at in read.times[keep].tolist():
             seconds.append(self._seconds_to(at))
-            self._interval_start = at
+            self._start_interval(at)
             lost.append(self._lost_at(at))
         self._writer.write_many(
             [int(steps[k]) for k in keep], intervals, read.versions[keep], np.array(seconds), lost
@@ -577,8 +578,11 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._points.wait()
         self._raise_point_error()
 
-    def _start_interval(self) -> None:
-        self._interval_start = time.time()
+    def _start_interval(self, at: float | None = None) -> None:
+        """A new interval begins at wall-clock time `at` (now by default);
+        validation runs that ended before it no longer count."""
+        self._interval_start = time.time() if at is None else at
+        self._pauses = [p for p in self._pauses if p[1] > self._interval_start]
 
     def _seconds_to(self, at: float) -> float:
         """Training seconds from the current interval's start to `at`."""
@@ -587,16 +591,15 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         )
         return max(at - self._interval_start - paused, 0.0)
 
-    def _write(self, step: int, now: StalenessStats, at: float | None = None) -> None:
+    def _write(self, step: int, now: StalenessStats) -> None:
         """Writes the point of the interval from the previous one to `now`,
-        taken at wall-clock time `at` (now by default)."""
-        if at is None:
-            at = time.time()
-            self._replica_states = self._strategy().replica_states()
+        counters read just now."""
+        at = time.time()
+        self._replica_states = self._strategy().replica_states()
         seconds = self._seconds_to(at)
         self._writer.write(
             step, _interval(now, self._snapshot), now.version, seconds, self._lost_at(at)
         )
         self._snapshot = now
         self._last_point = step
-        self._interval_start = at
+        self._start_interval(at)

@@ -163,6 +163,13 @@ def host_cpu(device: str) -> str:
     return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
 
 
+def task_of(device: str) -> tuple[str, int, int]:
+    """The (job, replica, task) that owns `device`; a device that names
+    none is this process's."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job or "localhost", spec.replica or 0, spec.task or 0
+
+
 def _canonical(name: str) -> str:
     spec = tf.DeviceSpec.from_string(name)
     if spec.device_type is None:

@@ -24,6 +24,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tf_diffmap.devices import task_of
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.store import counters_as_stats
 
@@ -75,12 +76,6 @@ class Snapshots:
         )
 
 
-def _task(device: str) -> tuple:
-    """The task of a device; a device that names none is this process's."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.job or "localhost", spec.replica or 0, spec.task or 0
-
-
 class CounterSnapshots:
     """A ring of counter snapshots, one per training step while switched on.
 
@@ -107,7 +102,7 @@ class CounterSnapshots:
         # step a call to that task (and a lost ps the step's own error).
         # There Keras' graph only counts its steps, and `read` takes one
         # snapshot from Python when asked.
-        self.in_graph = _task(store.host) == _task(client_host)
+        self.in_graph = task_of(store.host) == task_of(client_host)
         self._host = store.host
         self._gather = None
         with tf.init_scope():
@@ -150,12 +145,11 @@ class CounterSnapshots:
         """
         with tf.control_dependencies(after):
             on = self.on.read_value()
-        # A call, not inlined: the snapshot's ops live on the store's host
-        # (a ps task on a cluster), and inlined into Keras' step they would
-        # make every step a multi-device one that reaches that host, the
-        # ring on or off.
         if not self.in_graph:
             return tf.cond(on, self._count, lambda: tf.constant(False))
+        # A call, not inlined: the snapshot's ops live on the store's host,
+        # and inlined into Keras' step they would make every step a
+        # multi-device one that reaches that host, the ring on or off.
         take = tf.function(self._take, autograph=False, experimental_attributes={"_noinline": True})
         return tf.cond(on, take, lambda: tf.constant(False))
 

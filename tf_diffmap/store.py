@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.devices import host_cpu
 from tf_diffmap.staleness import StalenessStats
 
 __all__ = ["ParameterStore", "counters_as_stats", "outside_scope_message"]
@@ -104,12 +105,6 @@ def outside_scope_message(variable, in_store: bool) -> str:
     )
 
 
-def _host_of(device: str) -> str:
-    """The CPU of the host that owns `device` (where counters live)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.replace(device_type="CPU", device_index=0).to_string()
-
-
 class ParameterStore:
     """Where the authoritative copy of every variable lives.
 
@@ -135,7 +130,7 @@ class ParameterStore:
         self.num_replicas = num_replicas
         self._on_host_access = on_host_access
         self._bytes = {d: 0 for d in self.devices}
-        self.host = _host_of(self.devices[0])
+        self.host = host_cpu(self.devices[0])  # where the counters live
         self.histogram_bins = max(64, 8 * num_replicas)
         # Claims whose step never completed (see `settle_abandoned`).
         self.abandoned = 0
@@ -288,8 +283,9 @@ class ParameterStore:
         ledger = _read(self.ledger)
         completed = ledger[: self.num_replicas, _CLAIMS]
         self._open_marks = [int(m) for m in marks - completed]
-        claimed = max(int(marks.sum()), int(_read(self.version)))
-        if int(_read(self.version)) < claimed:
+        version = int(_read(self.version))
+        claimed = max(int(marks.sum()), version)
+        if version < claimed:
             self.version.assign(claimed)
         abandoned = claimed - int(completed.sum())
         new = abandoned - self.abandoned

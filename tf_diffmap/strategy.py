@@ -153,7 +153,6 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self.failed.assign(False)
         if error is not None:
             self.snapshots.stop()  # the fit fails: its callbacks read no more
-        if error is not None:
             raise error
 
     def _replica_failed(self, replica_id: int, error: BaseException) -> ReplicaState:
