@@ -53,18 +53,24 @@ def _strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+def _run_suite(tmp_path, *args: str, plots: bool = False, timeout: int = 300):
+    """Runs `python -m benchmarks --smoke ARGS --out tmp_path`; its process
+    and results (checked: exit 0, valid JSON, no session errors)."""
+    command = [sys.executable, "-m", "benchmarks", "--smoke", *args, "--out", str(tmp_path)]
+    if not plots:
+        command.append("--no-plots")
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = _strict_json((tmp_path / "results.json").read_text())
+    assert results["errors"] == [], results["errors"]
+    return proc, results
+
+
 @pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
-    command = [sys.executable, "-m", "benchmarks", "--smoke", "--jobs", "2", "--out", str(tmp_path)]
-    if not plots:
-        command.append("--no-plots")
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    results = _strict_json((tmp_path / "results.json").read_text())
+    proc, results = _run_suite(tmp_path, "--jobs", "2", plots=plots, timeout=240)
     assert KEYS <= set(results), sorted(KEYS - set(results))
-    assert results["errors"] == [], results["errors"]
     assert results["plan"]["name"] == "smoke"
     # The main interpreter has no tf-keras, and says so instead of failing.
     assert results["tf_keras"]["available"] in (True, False)
@@ -123,23 +129,7 @@ def test_smoke_control_and_cluster(tmp_path):
     tf_diffmap); ParameterServerStrategy needs tf-keras, which this
     interpreter may not have, and is then left out with the reason.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "--smoke",
-        "--only",
-        "control,cluster",
-        "--device",
-        "cpu",
-        "--no-plots",
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = _strict_json((tmp_path / "results.json").read_text())
-    assert results["errors"] == [], results["errors"]
+    proc, results = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
     assert results["machine"]["device"] == "cpu"
 
     control = {
@@ -207,24 +197,7 @@ def test_smoke_fault_timeline(tmp_path):
     serve in that time on a busy host), so only their shape is checked.
     """
     plots = importlib.util.find_spec("matplotlib") is not None
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "--smoke",
-        "--only",
-        "fault_timeline",
-        "--device",
-        "cpu",
-        "--out",
-        str(tmp_path),
-    ]
-    if not plots:
-        command.append("--no-plots")
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = _strict_json((tmp_path / "results.json").read_text())
-    assert results["errors"] == [], results["errors"]
+    proc, results = _run_suite(tmp_path, "--only", "fault_timeline", "--device", "cpu", plots=plots)
 
     (row,) = results["fault_timeline"]
     assert row["workers"] == 3 and row["killed_worker"] == 2 and row["lost_replicas"] == [2]
