@@ -1,5 +1,11 @@
 """What makes the strategy asynchronous, and correct."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import keras
 import numpy as np
 import pytest
@@ -162,3 +168,62 @@ def test_step_knows_the_parameters_its_forward_pass_read():
     read, forward = run()
     assert float(read) == 1.0 and float(forward) == 2.0
     assert float(variable.numpy()) == 6.0
+
+
+IDLE_RACE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, random, time
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import keras, numpy as np, tensorflow as tf, tf_diffmap
+    from tf_diffmap import program, workers
+    tf_diffmap.split_devices(4, "CPU")
+    # The idle monitor looks every 10 ms and stops the loops after 20 ms
+    # without a shard put or applied; the steps pause for 15 to 40 ms every
+    # fifth step, so that idle stops meet arriving steps.
+    workers.POLL_SECONDS, workers.IDLE_SECONDS = 0.002, 0.02
+    marks = []
+    mark_idle = program.Program.mark_idle
+    def counted(self):
+        marked = mark_idle(self)
+        marks.append(marked)
+        return marked
+    program.Program.mark_idle = counted
+
+    class Pauses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch % 5 == 0:
+                time.sleep(random.uniform(0.015, 0.04))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * 100, 8)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).batch(16).repeat()
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(data, steps_per_epoch=600, epochs=1, verbose=0, callbacks=[Pauses()])
+    print(json.dumps({"version": strategy.version, "marks": marks.count(True),
+                      "resumed": marks.count(False)}))
+    """
+)
+
+
+def test_steps_that_meet_an_idle_stop_are_applied_and_never_block():
+    """The loops stop by themselves when idle, while Keras may be putting a
+    step's shards: none may be left in the queue with no loop to take it (the
+    steps after it would block once it is full), and none may be lost.
+
+    In a subprocess, so that a hang ends with its timeout (which kills it).
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    result = subprocess.run(
+        [sys.executable, "-c", IDLE_RACE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["version"] == 600 * 4  # one update per shard, none lost
+    assert report["marks"] >= 1, report  # idle stops did meet the steps

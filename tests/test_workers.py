@@ -56,6 +56,10 @@ class Runner:
         with self.lock:
             return self.put - self.done
 
+    def progress(self):
+        with self.lock:
+            return self.put, self.done
+
     def send_stops(self, count):
         for _ in range(count):
             self.items.put(STOP)
@@ -118,12 +122,55 @@ def test_idle_loops_stop_by_themselves(monkeypatch):
     runner, errors, loops = make(2)
     idle = []
     runner.submit([lambda r: None] * 4)
-    loops.start(on_idle=lambda: idle.append(True))
+    loops.start(on_idle=lambda: idle.append(True) or True)
     deadline = time.monotonic() + 5
     while loops.threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert loops.threads() == [] and idle == [True]
     assert runner.pending() == 0
+
+
+def test_replicas_that_keep_up_are_not_idle(monkeypatch):
+    """Shards that arrive one at a time and are applied at once leave nothing
+    in flight at most looks of the idle monitor: that is no pause."""
+    monkeypatch.setattr(workers, "IDLE_SECONDS", 0.1)
+    runner, errors, loops = make(2)
+    idle = []
+    loops.start(on_idle=lambda: idle.append(True) or True)
+    feeding_until = time.monotonic() + 1.0
+    while time.monotonic() < feeding_until:
+        runner.submit([lambda r: None])
+        time.sleep(0.01)
+    assert idle == [] and len(loops.threads()) == 3  # two replicas and the monitor
+    deadline = time.monotonic() + 5
+    while loops.threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loops.threads() == [] and idle == [True] and runner.pending() == 0
+
+
+def test_loops_go_on_when_shards_arrived_while_they_stopped(monkeypatch):
+    """Shards put behind the STOP items of an idle stop are applied: the
+    owner says so (`on_idle` returns False) and the loops start again."""
+    monkeypatch.setattr(workers, "IDLE_SECONDS", 0.1)
+    runner, errors, loops = make(2)
+    applied = []
+    calls = []
+
+    def on_idle():
+        calls.append(loops.threads())
+        if len(calls) == 1:
+            runner.submit([applied.append] * 5)  # nobody left to take them
+            return False
+        return True
+
+    loops.start(on_idle=on_idle)
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loops.stop()
+    # Each call saw only the monitor: its replicas had stopped.
+    assert [len(threads) for threads in calls] == [1, 1]
+    assert len(applied) == 5 and runner.pending() == 0 and not errors
 
 
 def test_error_is_handed_over_as_raised_and_nothing_blocks():

@@ -82,7 +82,10 @@ class ShardChannel:
         specs: one `tf.TensorSpec` per tensor of a shard (batch dimension
             unknown).
         capacity: shards that may wait; a full queue holds the putting
-            graph back (without holding a thread).
+            graph back (without holding a thread). It holds at least one
+            step's shards (`replicas`), so that a step that put its shards
+            just as the loops stopped idle never waits for them
+            (`Program.mark_idle`).
         device: where the queue lives (the host CPU of Keras' graph).
         name: a prefix for the queue's and the counter's names.
         counter_device: where the in-flight counter lives (by default
@@ -106,7 +109,7 @@ class ShardChannel:
         self.counter_device = counter_device or device
         with tf.init_scope(), tf.device(device):
             self.queue = tf.queue.FIFOQueue(
-                capacity,
+                max(capacity, replicas),
                 [tf.bool, *(spec.dtype for spec in self.specs)],
                 shapes=None,
                 name=f"{name}_shards",
@@ -190,8 +193,19 @@ class ShardChannel:
 
     def pending(self) -> int:
         """Shards put and not yet applied or dropped (one consistent read)."""
+        put, done = self.counts()
+        return max(put - done, 0)
+
+    def counts(self) -> tuple[int, int]:
+        """Shards put and shards done so far (one consistent read)."""
         put, done = self.progress.numpy()
-        return max(int(put - done), 0)
+        return int(put), int(done)
+
+    def settled(self) -> tf.Tensor:
+        """Whether every shard put has been applied or dropped (in a graph)."""
+        with tf.device(self.counter_device):
+            counts = self.progress.read_value()
+            return tf.equal(counts[_PUT], counts[_DONE])
 
     def held(self, replica_id: int) -> int:
         """The stamp of the shard a replica's failed loop call held (0: none)."""

@@ -241,6 +241,19 @@ class Program:
                 drop_function(self.channel), autograph=False
             ).get_concrete_function(tf.TensorSpec([], tf.int32))
 
+            def mark_if_settled():
+                settled = self.channel.settled()
+
+                def mark():
+                    with tf.control_dependencies([self.fresh.assign(False, read_value=False)]):
+                        return tf.identity(settled)
+
+                return tf.cond(settled, mark, lambda: tf.identity(settled))
+
+            self._mark_if_settled = tf.function(
+                mark_if_settled, autograph=False
+            ).get_concrete_function()
+
     def _trace_loops(self) -> None:
         """The replicas' loop functions, for the input they read now."""
         extended = self.extended
@@ -468,8 +481,30 @@ class Program:
 
     def _start_loops(self):
         self.follow_input()
-        self.loops.start(on_idle=self.mark_drained)
+        self.loops.start(on_idle=self.mark_idle)
         self.extended.faults.resume()
+        return True
+
+    def mark_idle(self) -> bool:
+        """After the loops stopped for want of shards: the next step is a
+        first step again, unless shards arrived while they stopped.
+
+        Called from the loops' idle monitor while a step may be running. A
+        step that read the loops as running puts its shards after their
+        STOP items; were the program then marked drained, steps after it
+        would fill the queue with nobody to take from it. The check and the
+        mark are one function: at most the step in flight (it read the mark
+        before it was set) puts shards after them, which the next step, a
+        first step, starts the loops for (the queue holds a step's shards).
+
+        Returns:
+            Whether it marked the program drained; False: the loops go on.
+        """
+        if self.fresh is None:
+            return True
+        if not bool(self._mark_if_settled()):
+            return False
+        self.extended.faults.pause()
         return True
 
     def mark_drained(self) -> None:
@@ -490,6 +525,9 @@ class Program:
 
     def pending(self) -> int:
         return self.channel.pending()
+
+    def progress(self) -> tuple[int, int]:
+        return self.channel.counts()
 
     def send_stops(self, count: int) -> None:
         self.channel.send_stops(count)

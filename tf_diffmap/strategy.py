@@ -535,7 +535,7 @@ class Strategy(_tf_internal.StrategyBase):
             step while more than this many steps ahead of the slowest. `None`
             (default) is fully asynchronous; 0 is lock-step.
         queue_size: shards that may wait for a free replica; defaults to two
-            per replica.
+            per replica, and is at least one per replica (a step's shards).
         steps_per_loop: K, the most shards a replica applies in one call of
             its loop function before Python sees it again (under
             `max_staleness`, 1). Larger K costs no latency: a loop takes

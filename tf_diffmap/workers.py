@@ -31,7 +31,7 @@ __all__ = ["LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
 
 # How often blocked callers look again for errors, progress and idleness.
 POLL_SECONDS = 0.05
-# Loops with nothing queued for this long stop their threads; the next step
+# Loops with no shard put or applied for this long stop their threads; the next step
 # starts them again, so an interrupted `fit` leaves no thread behind.
 IDLE_SECONDS = 1.0
 
@@ -85,6 +85,9 @@ class LoopRunner(Protocol):
 
     def pending(self) -> int:
         """Shards queued or being applied."""
+
+    def progress(self) -> tuple[int, int]:
+        """Shards put and shards done so far (one consistent read)."""
 
     def send_stops(self, count: int) -> None:
         """Queues `count` STOP items (one ends one loop)."""
@@ -142,17 +145,18 @@ class ReplicaLoops:
         self._stopping = False
         self._waited = [0.0] * num_replicas
         self._monitor: threading.Thread | None = None
-        self._on_idle: Callable[[], None] | None = None
+        self._on_idle: Callable[[], bool] | None = None
         self._local = threading.local()
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
-    def start(self, on_idle: Callable[[], None] | None = None) -> None:
+    def start(self, on_idle: Callable[[], bool] | None = None) -> None:
         """Starts every replica's thread that is not running.
 
         Args:
-            on_idle: called after the loops stopped because nothing was
-                queued for `IDLE_SECONDS`.
+            on_idle: called after the loops stopped because no shard was put
+                or applied for `IDLE_SECONDS`; returns False when shards
+                arrived while they stopped, and the loops go on.
         """
         with self._lock:
             if on_idle is not None:
@@ -324,21 +328,32 @@ class ReplicaLoops:
                     return
 
     def _watch_idle(self) -> None:
-        idle_since = None
+        # Idle means that nothing moved: no shard put and none applied since
+        # the last look, for IDLE_SECONDS. Replicas that keep up with the
+        # steps often have nothing in flight at the instant of a look; that
+        # alone is no pause.
+        idle_since, last = None, None
         while True:
             with self._lock:
                 self._idle.wait(POLL_SECONDS * 5)
                 if self._stopping or not any(t.is_alive() for t in self._threads.values()):
                     self._monitor = None
                     return
-            if self.runner.pending() > 0:
-                idle_since = None
+            seen = self.runner.progress()
+            if seen != last or seen[0] != seen[1]:
+                idle_since, last = None, seen
                 continue
             idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since >= IDLE_SECONDS:
-                self.stop()
-                if self._on_idle is not None:
-                    self._on_idle()
+            if time.monotonic() - idle_since < IDLE_SECONDS:
+                continue
+            self.stop()
+            # A step may have put shards while the loops stopped, behind their
+            # STOP items; `on_idle` then leaves the loops marked running, and
+            # they start again to apply them (nothing may wait in the queue
+            # with no loop to take it: a step putting more would block).
+            if self._on_idle is None or self._on_idle():
                 with self._lock:
                     self._monitor = None
                 return
+            self.start()
+            idle_since, last = None, None
