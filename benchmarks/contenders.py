@@ -4,8 +4,9 @@
 them); `Runtime` builds one inside a worker process, after the logical devices
 are made. Each contender gets the same devices (logical CPU devices, or GPUs
 with `device="gpu"`), the same model, the same data and the same global batch
-size. The two cluster contenders start their own localhost cluster of worker
-and ps processes, which `Runtime.close` stops.
+size. The cluster contenders start their own localhost cluster of worker
+and ps processes, which `Runtime.close` stops; one of them, the floor, is no
+strategy at all but a bare TensorFlow loop on that cluster (`benchmarks.floor`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import dataclasses
 import os
 from types import ModuleType
 from typing import Any
+
+from benchmarks.plan import CLUSTER_CONTENDERS
 
 __all__ = ["CONTENDERS", "Contender", "Runtime", "label"]
 
@@ -47,6 +50,7 @@ CONTENDERS = {
         Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
         Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
         Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
+        Contender("floor_cluster", "bare TensorFlow loop (floor), localhost cluster"),
     )
 }
 
@@ -83,6 +87,10 @@ class Runtime:
         gpu_memory_mb: memory of each logical GPU when a GPU is split.
         cluster: `{"workers": n, "ps": m}` for the cluster contenders: the
             localhost cluster to start (its servers see no GPU).
+
+    Attributes:
+        devices: the replicas' devices (the workers', on a cluster).
+        parameter_devices: the ps tasks' devices of `floor_cluster`, else empty.
     """
 
     def __init__(
@@ -113,6 +121,7 @@ class Runtime:
         self.device = device
         self.cluster = cluster
         self._servers = None  # the localhost cluster of a cluster contender
+        self.parameter_devices: list[str] = []
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if self.legacy:
             os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -134,7 +143,7 @@ class Runtime:
             self.keras_version = f"Keras {keras.__version__}"
             self.tf_diffmap_version = tf_diffmap.__version__
         self.tf = tf
-        if contender in ("tf_diffmap_cluster", "parameter_server"):
+        if contender in CLUSTER_CONTENDERS:
             self.devices: list[str] = []  # the workers' devices, once connected
         else:
             self.devices = _replica_devices(tf, replicas, device, gpu_memory_mb, split)
@@ -172,6 +181,17 @@ class Runtime:
             )
             self.devices = list(strategy.replica_devices)
             return strategy
+        if self.name == "floor_cluster":
+            from tf_diffmap import cluster
+
+            # The same servers as tf_diffmap's, and only the connection: no strategy.
+            self._servers = cluster.LocalCluster(
+                workers=self.cluster["workers"],
+                ps=self.cluster["ps"],
+                env={"CUDA_VISIBLE_DEVICES": ""},
+            ).start()
+            self.devices, self.parameter_devices = cluster.connect(self._servers.resolver())
+            return None
         if self.name == "parameter_server":
             import sys
 
@@ -221,7 +241,7 @@ class Runtime:
         return {} if self.steps_per_loop is None else {"steps_per_loop": self.steps_per_loop}
 
     def scope(self):
-        """The strategy's scope (a no-op for plain Keras)."""
+        """The strategy's scope (a no-op for plain Keras and the floor)."""
         if self.strategy is None:
             return contextlib.nullcontext()
         return self.strategy.scope()

@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
+    "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
     "timed_task",
@@ -36,7 +37,11 @@ WORKLOADS = (
 )
 
 # Contenders that only the cluster workload runs (each brings its own cluster).
-CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
+CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server", "floor_cluster")
+
+# Cluster contenders whose step splits the global batch over the workers (one
+# update per worker on `batch_size / workers` examples), as tf_diffmap does.
+SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster", "floor_cluster")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +124,21 @@ class Plan:
         control_min_seconds: ... and at least this many seconds.
         cluster_contenders: the cluster workload's contenders: tf_diffmap on a
             localhost cluster, tf_diffmap with the same replicas in one
-            process, tf-keras' ParameterServerStrategy on its own cluster.
+            process, tf-keras' ParameterServerStrategy on its own cluster, and
+            the floor: a bare TensorFlow parameter-server loop (no Keras, no
+            input pipeline, no tf_diffmap bookkeeping) on a cluster of the
+            same shape (`benchmarks.floor`).
         cluster_workers: worker tasks (one replica each) of both clusters, and
             logical CPU devices of the in-process reference.
         cluster_ps: parameter-server tasks of both clusters.
         cluster_model: a key of `workloads.MODELS` (digits-shaped random data).
         cluster_batch_size: the global batch size there.
-        cluster_update_batch_row: also run tf_diffmap on the cluster at a global
-            batch of `cluster_batch_size` per worker, so that each of its updates
-            trains on as many examples as a ParameterServerStrategy step (which
-            trains a whole batch on one worker; tf_diffmap splits a step's batch
-            over the replicas).
+        cluster_update_batch_row: also run tf_diffmap on the cluster and the
+            floor at a global batch of `cluster_batch_size` per worker, so that
+            each of their updates trains on as many examples as a
+            ParameterServerStrategy step (which trains a whole batch on one
+            worker; tf_diffmap and the floor split a step's batch over the
+            workers).
         cluster_examples_per_epoch: examples of one epoch there.
         cluster_min_epochs: a cluster window lasts at least this many epochs...
         cluster_min_seconds: ... and at least this many seconds.
@@ -216,7 +225,12 @@ class Plan:
     control_steps_per_loop: tuple[int, ...] = (32, 1)
     control_min_epochs: int = 3
     control_min_seconds: float = 2.0
-    cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "tf_diffmap", "parameter_server")
+    cluster_contenders: tuple[str, ...] = (
+        "tf_diffmap_cluster",
+        "tf_diffmap",
+        "parameter_server",
+        "floor_cluster",
+    )
     cluster_workers: int = 2
     cluster_ps: int = 1
     cluster_model: str = "mlp_wide"
@@ -471,8 +485,9 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """The same workload on a localhost cluster, in one process, and under PSS;
-    and tf_diffmap on the cluster with PSS' examples per update."""
+    """The same workload on a localhost cluster, in one process, under PSS and
+    as the bare loop (the floor); and tf_diffmap and the floor on the cluster
+    with PSS' examples per update, each right after its own row."""
     task = {
         "kind": "cluster",
         "model": plan.cluster_model,
@@ -482,10 +497,12 @@ def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
         "min_epochs": plan.cluster_min_epochs,
         "min_seconds": plan.cluster_min_seconds,
     }
-    runs = [(contender, task) for contender in plan.cluster_contenders]
-    if plan.cluster_update_batch_row and "tf_diffmap_cluster" in plan.cluster_contenders:
-        per_update = {**task, "batch_size": plan.cluster_batch_size * plan.cluster_workers}
-        runs.insert(1, ("tf_diffmap_cluster", per_update))
+    per_update = {**task, "batch_size": plan.cluster_batch_size * plan.cluster_workers}
+    runs = []
+    for contender in plan.cluster_contenders:
+        runs.append((contender, task))
+        if plan.cluster_update_batch_row and contender in SPLIT_BATCH_CONTENDERS:
+            runs.append((contender, per_update))
     return [
         {
             "contender": contender,

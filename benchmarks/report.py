@@ -116,6 +116,52 @@ CLUSTER_TARGETS = (
     "cluster_vs_parameter_server_per_update",
 )
 FAULT_TARGETS = ("fault_outage", "fault_after")
+
+# The cluster workload's ratios with the floor (`benchmarks.floor`): references,
+# not targets. (key, description, numerator, denominator, the target it caps and
+# a short name for it, or None):
+# each side a contender and its global batch, "batch" or "batch x workers" (the
+# examples of a ParameterServerStrategy step in each update). A ratio of the
+# floor to a contender is the most that contender's target could read here if
+# tf_diffmap cost no more than the bare loop.
+CLUSTER_FLOOR = (
+    (
+        "floor_vs_in_process",
+        "Floor / tf_diffmap in one process, same global batch",
+        ("floor_cluster", "batch"),
+        ("tf_diffmap", "batch"),
+        ("cluster_vs_in_process", "cluster / one process"),
+    ),
+    (
+        "cluster_vs_floor",
+        "tf_diffmap on the cluster / the floor, same global batch",
+        ("tf_diffmap_cluster", "batch"),
+        ("floor_cluster", "batch"),
+        None,
+    ),
+    (
+        "cluster_vs_floor_per_update",
+        "tf_diffmap on the cluster / the floor, both at global batch x workers",
+        ("tf_diffmap_cluster", "batch x workers"),
+        ("floor_cluster", "batch x workers"),
+        None,
+    ),
+    (
+        "floor_vs_parameter_server",
+        "Floor / ParameterServerStrategy (tf-keras), same global batch",
+        ("floor_cluster", "batch"),
+        ("parameter_server", "batch"),
+        ("cluster_vs_parameter_server", "cluster / PSS"),
+    ),
+    (
+        "floor_vs_parameter_server_per_update",
+        "Floor at global batch x workers / ParameterServerStrategy (tf-keras): the same "
+        "examples per update",
+        ("floor_cluster", "batch x workers"),
+        ("parameter_server", "batch"),
+        ("cluster_vs_parameter_server_per_update", "cluster / PSS, same examples per update"),
+    ),
+)
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
 
@@ -443,6 +489,9 @@ def _cluster(runs) -> list[dict[str, Any]]:
                 ),
                 "replica_time_source": results[0]["replica_time_source"],
                 "replica_steps": [r.get("replica_steps") for r in results],
+                # The floor's: the ps' Adam step counter against its workers' loops.
+                "updates_applied": [r.get("updates_applied") for r in results],
+                "updates_expected": [r.get("updates_expected") for r in results],
                 "mean_staleness": _median(
                     (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
                 ),
@@ -510,6 +559,47 @@ def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
             f"{plan.cluster_batch_size}",
         ),
     ]
+
+
+def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
+    """The ratios of `CLUSTER_FLOOR`, with the target each caps (None: not run)."""
+    batches = {
+        "batch": plan.cluster_batch_size,
+        "batch x workers": plan.cluster_batch_size * plan.cluster_workers,
+    }
+
+    def eps(side):
+        contender, batch = side
+        row = _find(cluster, contender=contender, batch_size=batches[batch])
+        return row["examples_per_second"]["median"] if row else None
+
+    targets = {key: (op, value) for key, _, op, value in TARGETS}
+    rows = []
+    for key, text, numerator, denominator, caps in CLUSTER_FLOOR:
+        op, value = targets[caps[0]] if caps else (None, None)
+        rows.append(
+            {
+                "key": key,
+                "description": text,
+                "measured": _ratio(eps(numerator), eps(denominator)),
+                "batch_sizes": [batches[numerator[1]], batches[denominator[1]]],
+                "caps": caps[0] if caps else None,
+                "caps_name": caps[1] if caps else None,
+                "caps_comparison": op,
+                "caps_target": value,
+            }
+        )
+    return rows
+
+
+def _caps_text(row, markdown: bool = True) -> str:
+    """`cluster / one process (target ≥ 0.6x)`, or "" for a row that caps no target."""
+    if not row["caps"]:
+        return ""
+    op = row["caps_comparison"]
+    if markdown:
+        op = "≥" if op == ">=" else "≤"
+    return f"{row['caps_name']} (target {op} {row['caps_target']:.3g}x)"
 
 
 # The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
@@ -834,6 +924,7 @@ def build(
     accuracy = _accuracy(runs, plan.max_staleness)
     control = _control(runs)
     cluster = _cluster(runs)
+    cluster_floor = _cluster_floor(cluster, plan) if "cluster" in plan.workloads else []
     fault_timeline = _fault_timeline(runs)
     targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
     if "control" in plan.workloads:
@@ -862,6 +953,7 @@ def build(
         "points": _points(runs),
         "control": control,
         "cluster": cluster,
+        "cluster_floor": cluster_floor,
         "fault_timeline": fault_timeline,
         "targets": targets,
         "errors": _errors(runs),
@@ -1286,15 +1378,39 @@ def _cluster_section(results) -> list[str]:
     if not rows:
         lines.append("| (not run) | | | | |")
     kind = MODELS[plan["cluster_model"]]["description"]
+    lines += ["", *_targets_table(results, CLUSTER_TARGETS), ""]
+    floor = results.get("cluster_floor") or []
+    if floor:
+        lines += [
+            "| Against the floor (a reference, not a target) | Measured | Global batches "
+            "| Caps the target |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {r['description']} | "
+                + ("n/a" if r["measured"] is None else f"{r['measured']:.2f}x")
+                + f" | {r['batch_sizes'][0]} / {r['batch_sizes'][1]} | {_caps_text(r)} |"
+                for r in floor
+            ),
+            "",
+            "The floor (`benchmarks.floor`) is the least an asynchronous parameter-server "
+            "loop costs in TensorFlow's own runtime on a cluster of the same shape: the "
+            "parameters and Adam's slots on the ps task, each worker one `tf.function` "
+            "whose `tf.while_loop` computes the gradient of a fixed batch of "
+            "`batch / workers` examples on the worker and applies Adam beside the "
+            "parameters, the workers' calls at once. It has no input pipeline (a fixed "
+            "batch per worker), no Keras, no metrics and no staleness accounting. A ratio "
+            "of the floor to another contender is what the target beside it would read "
+            "if tf_diffmap cost no more than the floor: below the target, no asynchronous "
+            "parameter-server loop of this shape meets it on this host.",
+            "",
+        ]
     lines += [
-        "",
-        *_targets_table(results, CLUSTER_TARGETS),
-        "",
         f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}"
         + (
             f" (and {plan['cluster_batch_size'] * plan['cluster_workers']} for tf_diffmap on "
-            "the cluster: a ParameterServerStrategy step trains a whole batch on one worker, "
-            "a tf_diffmap step splits its batch over the replicas, one update each; at "
+            "the cluster and the floor: a ParameterServerStrategy step trains a whole batch "
+            "on one worker, a tf_diffmap step splits its batch over the replicas, one update "
+            "each, as the floor's workers do; at "
             f"{plan['cluster_batch_size'] * plan['cluster_workers']} an update trains as many "
             "examples as a ParameterServerStrategy step)"
             if plan.get("cluster_update_batch_row")
@@ -1313,7 +1429,9 @@ def _cluster_section(results) -> list[str]:
         "the wall time of the timed `fit` over the updates the replica applied in it (its "
         "whole cycle: waiting for a shard, the store and gRPC included), median over "
         "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
-        "time over the steps times the workers (an even spread assumed).",
+        "time over the steps times the workers (an even spread assumed); for the floor, "
+        "which has no `fit`, the wall time of its timed window (epochs of the same "
+        "examples, each a call of every worker's loop) over a worker's updates.",
         "",
     ]
     return lines
@@ -1468,14 +1586,21 @@ def control_summary(results: dict[str, Any]) -> list[str]:
 
 
 def cluster_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: examples/s, replica time per update, the targets."""
+    """Lines the suite prints: examples/s, replica time per update, the targets,
+    and the ratios with the floor."""
     lines = [
         f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
         f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
         f"({row['replica_time_source']})"
         for row in results.get("cluster") or []
     ]
-    return lines + _target_lines(results, CLUSTER_TARGETS)
+    floor = [
+        f"  against the floor: {r['description']}: "
+        + ("n/a" if r["measured"] is None else f"{r['measured']:.2f}x")
+        + (f"; caps {_caps_text(r, markdown=False)}" if r["caps"] else "")
+        for r in results.get("cluster_floor") or []
+    ]
+    return lines + _target_lines(results, CLUSTER_TARGETS) + floor
 
 
 def _target_lines(results, keys) -> list[str]:

@@ -26,7 +26,8 @@ Tasks:
   compiled with the task's `steps_per_execution`; Keras steps per second and
   (under tf_diffmap) updates per second, from the median epoch.
 - `cluster`: examples per second of the wide MLP on a localhost cluster (or
-  the same replicas in one process), and each replica's time per update.
+  the same replicas in one process), and each replica's time per update;
+  under `floor_cluster`, of the bare TensorFlow loop (`benchmarks.floor`).
 - `fault_timeline` (tf_diffmap on a localhost cluster only): examples/s per
   second of wall time while one worker is killed (SIGKILL) and restarted at
   the same address, per replica, with each process' CPU time (see
@@ -463,7 +464,13 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     waits included (for a shard, for the store, for gRPC round trips). Under
     ParameterServerStrategy, which reports no per-worker count, it is the
     `fit` time over the steps, times the workers (an even spread assumed).
+    The floor (`floor_cluster`) has no `fit`: `benchmarks.floor` times its
+    loop in the same windows.
     """
+    if rt.name == "floor_cluster":
+        from benchmarks import floor
+
+        return floor.run_cluster(rt, task, seed)
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
     out = _timed_fit(rt, model, x, y, task)
     fit_seconds = out["first_epoch_seconds"] + sum(out["epoch_seconds"])

@@ -126,8 +126,9 @@ def test_smoke_control_and_cluster(tmp_path):
     """The control and cluster workloads run and report their targets.
 
     The cluster workload starts localhost servers (LocalCluster for
-    tf_diffmap); ParameterServerStrategy needs tf-keras, which this
-    interpreter may not have, and is then left out with the reason.
+    tf_diffmap and the floor); ParameterServerStrategy needs tf-keras, which
+    this interpreter may not have, and is then left out with the reason (and
+    the floor's ratios to it are not measured).
     """
     proc, results = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
     assert results["machine"]["device"] == "cpu"
@@ -150,18 +151,44 @@ def test_smoke_control_and_cluster(tmp_path):
 
     batch, workers = results["plan"]["cluster_batch_size"], results["plan"]["cluster_workers"]
     cluster = {(r["contender"], r["batch_size"]): r for r in results["cluster"]}
-    # tf_diffmap on the cluster also at PSS' examples per update.
-    expected = {("tf_diffmap_cluster", batch), ("tf_diffmap_cluster", batch * workers)}
+    # tf_diffmap on the cluster and the floor also at PSS' examples per update.
+    expected = {
+        (contender, size)
+        for contender in ("tf_diffmap_cluster", "floor_cluster")
+        for size in (batch, batch * workers)
+    }
     expected.add(("tf_diffmap", batch))
     if results["tf_keras"]["available"]:
         expected.add(("parameter_server", batch))
     assert set(cluster) == expected
     for key in expected:
-        if key[0] == "tf_diffmap_cluster":
+        if key[0] in ("tf_diffmap_cluster", "floor_cluster"):
             assert all(d.startswith("/job:worker/") for d in cluster[key]["devices"])
+            assert len(cluster[key]["devices"]) == workers
     for row in cluster.values():
         assert row["examples_per_second"]["median"] > 0
         assert row["replica_ms_per_update"]["median"] > 0
+    for size in (batch, batch * workers):
+        # The floor's ps applied every update its workers' loops ran, warm-up included.
+        floor = cluster[("floor_cluster", size)]
+        assert floor["updates_applied"] == floor["updates_expected"]
+        assert floor["mean_staleness"] is None
+
+    floor_ratios = {r["key"]: r for r in results["cluster_floor"]}
+    assert set(floor_ratios) == {
+        "floor_vs_in_process",
+        "cluster_vs_floor",
+        "cluster_vs_floor_per_update",
+        "floor_vs_parameter_server",
+        "floor_vs_parameter_server_per_update",
+    }
+    measured = {"floor_vs_in_process", "cluster_vs_floor", "cluster_vs_floor_per_update"}
+    if results["tf_keras"]["available"]:
+        measured |= {"floor_vs_parameter_server", "floor_vs_parameter_server_per_update"}
+    for key, row in floor_ratios.items():
+        assert (row["measured"] > 0) if key in measured else (row["measured"] is None)
+    assert floor_ratios["floor_vs_in_process"]["caps"] == "cluster_vs_in_process"
+    assert floor_ratios["cluster_vs_floor_per_update"]["batch_sizes"] == [batch * workers] * 2
 
     targets = {t["key"]: t for t in results["targets"]}
     for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
@@ -170,7 +197,10 @@ def test_smoke_control_and_cluster(tmp_path):
     assert "cluster_vs_parameter_server_per_update" in targets
     markdown = (tmp_path / "results.md").read_text()
     assert "## Control path" in markdown and "## Cluster" in markdown
+    assert "Against the floor" in markdown
     assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
+    assert "cluster: bare TensorFlow loop (floor)" in proc.stderr
+    assert "against the floor: Floor / tf_diffmap in one process" in proc.stderr
 
 
 @pytest.mark.slow
