@@ -164,6 +164,16 @@ class Runtime:
             servers, self._servers = self._servers, None
             servers.stop()
 
+    def _start_local_cluster(self):
+        """The cluster workload's `LocalCluster` (this process is its chief), started."""
+        from tf_diffmap import cluster
+
+        return cluster.LocalCluster(
+            workers=self.cluster["workers"],
+            ps=self.cluster["ps"],
+            env={"CUDA_VISIBLE_DEVICES": ""},
+        ).start()
+
     def _make_strategy(self):
         tf = self.tf
         if self.name == "plain_keras":
@@ -171,11 +181,7 @@ class Runtime:
         if self.name == "tf_diffmap_cluster":
             from tf_diffmap import cluster
 
-            self._servers = cluster.LocalCluster(
-                workers=self.cluster["workers"],
-                ps=self.cluster["ps"],
-                env={"CUDA_VISIBLE_DEVICES": ""},
-            ).start()
+            self._servers = self._start_local_cluster()
             strategy = cluster.strategy_for_cluster(
                 self._servers.resolver(), **self._tf_diffmap_options()
             )
@@ -185,11 +191,7 @@ class Runtime:
             from tf_diffmap import cluster
 
             # The same servers as tf_diffmap's, and only the connection: no strategy.
-            self._servers = cluster.LocalCluster(
-                workers=self.cluster["workers"],
-                ps=self.cluster["ps"],
-                env={"CUDA_VISIBLE_DEVICES": ""},
-            ).start()
+            self._servers = self._start_local_cluster()
             self.devices, self.parameter_devices = cluster.connect(self._servers.resolver())
             return None
         if self.name == "parameter_server":
