@@ -193,6 +193,22 @@ def test_batches_split_into_near_equal_shards_in_the_graph():
     assert split_in_graph([x], 1) == [[x]]  # one replica: no split at all
 
 
+def test_an_even_batch_stacks_into_the_shards_a_split_gives():
+    from tf_diffmap.program import split_in_graph, stack_in_graph
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([])])
+    def both(x, scale):
+        return split_in_graph([x, scale], 4), stack_in_graph([x, scale], 4)
+
+    for examples in (12, 4, 0):
+        x = tf.reshape(tf.range(2 * examples, dtype=tf.float32), [examples, 2])
+        shards, (rows, scales) = both(x, tf.constant(3.0))
+        assert rows.shape == (4, examples // 4, 2)
+        for r, shard in enumerate(shards):  # row r is replica r's shard
+            np.testing.assert_array_equal(rows[r], shard[0])
+        np.testing.assert_array_equal(scales, [3.0] * 4)  # a scalar once per shard
+
+
 def test_run_eagerly_applies_one_update_per_batch(data):
     x, y = data
     strategy, model = async_mlp(compile_kwargs={"run_eagerly": True})
@@ -270,12 +286,15 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     assert strategy.extended.in_flight() == 0
 
 
-def test_batches_of_static_shape_end_epochs_cleanly(data):
-    """Batches of a static shape (`drop_remainder=True`), to the end of the data."""
+@pytest.mark.parametrize("batch", [BATCH, 6])
+def test_batches_of_static_shape_end_epochs_cleanly(batch, data):
+    """Batches of a static shape (`drop_remainder=True`), to the end of the data:
+    one that divides over the replicas (queued in one op) and one that does not."""
     x, y = data
     strategy, model = async_mlp()
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
-    assert ds.element_spec[0].shape[0] == BATCH
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+    assert ds.element_spec[0].shape[0] == batch
     model.fit(ds, epochs=2, verbose=0)
-    assert strategy.version == 2 * (len(x) // BATCH) * 4
+    assert strategy.version == 2 * (len(x) // batch) * 4
+    assert int(strategy.statistics().examples.sum()) == 2 * (len(x) // batch) * batch
     assert strategy.extended.in_flight() == 0

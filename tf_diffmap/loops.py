@@ -138,10 +138,18 @@ class ShardChannel:
         with tf.device(self.device):
             stop = tf.constant(False)
             queued = [self.queue.enqueue([stop, *shard]) for shard in shards]
-            with tf.control_dependencies(queued), tf.device(self.counter_device):
-                return self.progress.scatter_nd_add(
-                    [[_PUT]], [tf.constant(len(shards), tf.int64)]
-                ).op
+        return self._count_put(queued, len(shards))
+
+    def put_stacked(self, stacked: Sequence[tf.Tensor], count: int) -> tf.Operation:
+        """Queues `count` shards stacked along a first dimension, with one
+        op, then counts them (as `put` does)."""
+        with tf.device(self.device):
+            queued = self.queue.enqueue_many([tf.zeros([count], tf.bool), *stacked])
+        return self._count_put([queued], count)
+
+    def _count_put(self, queued: list[tf.Operation], count: int) -> tf.Operation:
+        with tf.control_dependencies(queued), tf.device(self.counter_device):
+            return self.progress.scatter_nd_add([[_PUT]], [tf.constant(count, tf.int64)]).op
 
     def take(self) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """Takes the next item (blocks while there is none): (is STOP, shard)."""

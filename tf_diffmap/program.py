@@ -26,7 +26,7 @@ from tf_diffmap.workers import ReplicaLoops, ReplicaState
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
 
-__all__ = ["Program", "batch_size", "is_tensor", "split_in_graph"]
+__all__ = ["Program", "batch_size", "is_tensor", "split_in_graph", "stack_in_graph"]
 
 
 def batch_size(tensors) -> tf.Tensor | None:
@@ -55,6 +55,27 @@ def split_in_graph(tensors, replicas: int) -> list[list[tf.Tensor]]:
         tf.split(t, sizes, num=replicas) if t.shape.rank != 0 else [t] * replicas for t in tensors
     ]
     return [list(shard) for shard in zip(*pieces)]
+
+
+def stack_in_graph(tensors, replicas: int) -> list[tf.Tensor]:
+    """A batch whose examples divide evenly, as one stacked tensor per input.
+
+    Each batched tensor becomes `[replicas, examples / replicas, ...]`, so
+    that row `r` is the shard `split_in_graph` gives replica `r`; a scalar
+    is repeated once per shard. The caller checks that the examples divide
+    evenly. One reshape per tensor, and the shards go on the queue with one
+    `enqueue_many` rather than one enqueue each.
+    """
+    batched = [t for t in tensors if t.shape.rank != 0]
+    examples = tf.shape(batched[0])[0]
+    stacked = []
+    for t in tensors:
+        if t.shape.rank == 0:
+            stacked.append(tf.fill([replicas], t))
+        else:
+            rest = tf.shape(t)[1:]
+            stacked.append(tf.reshape(t, tf.concat([[replicas, examples // replicas], rest], 0)))
+    return stacked
 
 
 def is_tensor(value) -> bool:
@@ -395,7 +416,6 @@ class Program:
         """
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
-        shards = split_in_graph(tensors, len(self.extended.replica_devices))
         if self.worker_input is not None:
             # Tokens: the first step after a drain starts the loops, and
             # every step reports the latest outputs (from before the drain
@@ -406,12 +426,14 @@ class Program:
                 lambda: self._start_in_graph(),
             )
             with tf.control_dependencies([started]):
-                flat = self._dispatch_in_graph(shards)
+                flat = self._dispatch_in_graph(tensors)
         else:
             flat = tf.cond(
                 self.fresh.read_value(),
-                lambda: self._dispatch_in_graph(shards),
-                lambda: self._first_step_call(shards),
+                lambda: self._dispatch_in_graph(tensors),
+                lambda: self._first_step_call(
+                    split_in_graph(tensors, len(self.extended.replica_devices))
+                ),
             )
         # Both ways end with a flag, so that a step without tensor outputs
         # still runs them; a counter snapshot, when one is due, follows.
@@ -462,14 +484,40 @@ class Program:
         with tf.control_dependencies([queued]):
             return [*(tf.identity(t) for t in flat), tf.constant(True)]
 
+    def _put_batch(self, tensors) -> tf.Operation:
+        """Queues a batch as one shard per replica.
+
+        A batch whose examples divide evenly (every batch of a fixed batch
+        size that is a multiple of the replicas, and every token) goes on
+        the queue with one `enqueue_many`; another (a last, smaller batch)
+        is split and queued shard by shard. Where the batch's size is known
+        when tracing, only one of the two ways is traced.
+        """
+        replicas = len(self.extended.replica_devices)
+        batched = [t for t in tensors if t.shape.rank != 0]
+        if replicas == 1 or not batched:
+            return self.channel.put(split_in_graph(tensors, replicas))
+
+        def even():
+            return self.channel.put_stacked(stack_in_graph(tensors, replicas), replicas)
+
+        def uneven():
+            return self.channel.put(split_in_graph(tensors, replicas))
+
+        known = batched[0].shape.rank is not None and batched[0].shape[0] is not None
+        if known:
+            return even() if batched[0].shape[0] % replicas == 0 else uneven()
+        divides = tf.equal(tf.shape(batched[0])[0] % replicas, 0)
+        return tf.cond(divides, lambda: _after(even()), lambda: _after(uneven())).op
+
     def _start_in_graph(self):
         with tf.control_dependencies([self.fresh.assign(True, read_value=False)]):
             started = tf.py_function(self._start_loops, [], tf.bool, name="tf_diffmap_start_loops")
         started.set_shape([])
         return started
 
-    def _dispatch_in_graph(self, shards):
-        queued = self.channel.put(shards)
+    def _dispatch_in_graph(self, tensors):
+        queued = self._put_batch(tensors)
         with tf.control_dependencies([queued]):
             return [*(v.read_value() for v in self.output_variables), tf.constant(True)]
 
@@ -573,3 +621,8 @@ class Program:
 
     def replica_steps(self) -> list[int]:
         return self.extended.replica_steps()
+
+
+def _after(op: tf.Operation) -> tf.Tensor:
+    with tf.control_dependencies([op]):
+        return tf.constant(True)
