@@ -193,20 +193,37 @@ def test_batches_split_into_near_equal_shards_in_the_graph():
     assert split_in_graph([x], 1) == [[x]]  # one replica: no split at all
 
 
-def test_an_even_batch_stacks_into_the_shards_a_split_gives():
-    from tf_diffmap.program import split_in_graph, stack_in_graph
+@pytest.mark.parametrize("examples", [12, 10, 5, 4, 2, 0])
+def test_stacked_runs_hold_the_shards_a_split_gives(examples):
+    from tf_diffmap.program import split_in_graph, stack_in_graph, stackable
 
-    @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([])])
+    spec = [tf.TensorSpec([None, 2]), tf.TensorSpec([])]
+
+    @tf.function(input_signature=spec)
     def both(x, scale):
         return split_in_graph([x, scale], 4), stack_in_graph([x, scale], 4)
 
-    for examples in (12, 4, 0):
-        x = tf.reshape(tf.range(2 * examples, dtype=tf.float32), [examples, 2])
-        shards, (rows, scales) = both(x, tf.constant(3.0))
-        assert rows.shape == (4, examples // 4, 2)
-        for r, shard in enumerate(shards):  # row r is replica r's shard
-            np.testing.assert_array_equal(rows[r], shard[0])
-        np.testing.assert_array_equal(scales, [3.0] * 4)  # a scalar once per shard
+    @tf.function(input_signature=spec)
+    def even(x, scale):
+        return stack_in_graph([x, scale], 4, even=True)
+
+    x = tf.reshape(tf.range(2 * examples, dtype=tf.float32), [examples, 2])
+    shards, (runs, count) = both(x, tf.constant(3.0))
+    # Unstacked in order, the runs are the split's shards that hold examples.
+    unstacked = [[t[i] for t in stacked] for stacked, n in runs for i in range(int(n))]
+    kept = [shard for shard in shards if shard[0].shape[0] > 0]
+    assert len(unstacked) == len(kept) == int(count) == min(examples, 4)
+    for (rows, scale), (shard, whole) in zip(unstacked, kept):
+        np.testing.assert_array_equal(rows, shard)
+        assert float(scale) == float(whole) == 3.0
+    if examples and examples % 4 == 0:  # known to divide: one run of four shards
+        [([rows, scales], n)], count = even(x, tf.constant(3.0))
+        assert int(n) == count == 4 and rows.shape == (4, examples // 4, 2)
+        np.testing.assert_array_equal(tf.reshape(rows, [-1, 2]), x)
+    # Shards that would hold no elements (tokens, a zero-sized feature) are
+    # queued one by one: TensorFlow's enqueue_many does not take them.
+    assert stackable([x, tf.constant(3.0)])
+    assert not stackable([tf.zeros([4, 0])]) and not stackable([tf.zeros([4, 2])[:, :0]])
 
 
 def test_run_eagerly_applies_one_update_per_batch(data):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -140,16 +141,28 @@ class ShardChannel:
             queued = [self.queue.enqueue([stop, *shard]) for shard in shards]
         return self._count_put(queued, len(shards))
 
-    def put_stacked(self, stacked: Sequence[tf.Tensor], count: int) -> tf.Operation:
-        """Queues `count` shards stacked along a first dimension, with one
-        op, then counts them (as `put` does)."""
-        with tf.device(self.device):
-            queued = self.queue.enqueue_many([tf.zeros([count], tf.bool), *stacked])
-        return self._count_put([queued], count)
+    def put_stacked(
+        self, runs: Sequence[tuple[Sequence[tf.Tensor], Any]], count: Any
+    ) -> tf.Operation:
+        """Queues runs of shards, each stacked along a first dimension and
+        queued with one op, then counts the `count` shards they hold (as
+        `put` does).
 
-    def _count_put(self, queued: list[tf.Operation], count: int) -> tf.Operation:
+        Args:
+            runs: `(stacked tensors, shards in the run)` per run.
+            count: the shards in all runs (an int or a scalar tensor).
+        """
+        with tf.device(self.device):
+            queued = [
+                self.queue.enqueue_many([tf.zeros([shards], tf.bool), *stacked])
+                for stacked, shards in runs
+            ]
+        return self._count_put(queued, count)
+
+    def _count_put(self, queued: list[tf.Operation], count: Any) -> tf.Operation:
         with tf.control_dependencies(queued), tf.device(self.counter_device):
-            return self.progress.scatter_nd_add([[_PUT]], [tf.constant(count, tf.int64)]).op
+            counted = tf.reshape(tf.cast(count, tf.int64), [1])
+            return self.progress.scatter_nd_add([[_PUT]], counted).op
 
     def take(self) -> tuple[tf.Tensor, list[tf.Tensor]]:
         """Takes the next item (blocks while there is none): (is STOP, shard)."""

@@ -26,7 +26,7 @@ from tf_diffmap.workers import ReplicaLoops, ReplicaState
 if TYPE_CHECKING:
     from tf_diffmap.strategy import _AsyncExtended
 
-__all__ = ["Program", "batch_size", "is_tensor", "split_in_graph", "stack_in_graph"]
+__all__ = ["Program", "batch_size", "is_tensor", "split_in_graph", "stack_in_graph", "stackable"]
 
 
 def batch_size(tensors) -> tf.Tensor | None:
@@ -57,25 +57,65 @@ def split_in_graph(tensors, replicas: int) -> list[list[tf.Tensor]]:
     return [list(shard) for shard in zip(*pieces)]
 
 
-def stack_in_graph(tensors, replicas: int) -> list[tf.Tensor]:
-    """A batch whose examples divide evenly, as one stacked tensor per input.
+def stackable(tensors) -> bool:
+    """Whether a batch's shards may go on a queue stacked (`stack_in_graph`).
 
-    Each batched tensor becomes `[replicas, examples / replicas, ...]`, so
-    that row `r` is the shard `split_in_graph` gives replica `r`; a scalar
-    is repeated once per shard. The caller checks that the examples divide
-    evenly. One reshape per tensor, and the shards go on the queue with one
-    `enqueue_many` rather than one enqueue each.
+    Each shard of a stacked run must hold data: TensorFlow's `enqueue_many`
+    does not take items with no elements. So every batched tensor needs a
+    known rank and, past the batch dimension, sizes known when tracing and
+    not zero; a batch of tokens (no examples at all) is queued shard by shard.
+    """
+    for t in tensors:
+        if t.shape.rank == 0:
+            continue
+        if t.shape.rank is None or any(d is None or d == 0 for d in t.shape[1:]):
+            return False
+    return True
+
+
+def stack_in_graph(
+    tensors, replicas: int, even: bool = False
+) -> tuple[list[tuple[list[tf.Tensor], Any]], Any]:
+    """A batch's shards stacked in runs: the shards `split_in_graph` gives.
+
+    The first `examples % replicas` shards hold one example more than the
+    others, so the batch is two runs of equal shards: each batched tensor
+    splits in two, and each part becomes `[shards, examples per shard, ...]`
+    (a scalar is repeated once per shard). Each run then goes on a queue
+    with one `enqueue_many` rather than one enqueue per shard, and no
+    conditional decides between even and uneven batches. Shards that would
+    hold no example (a batch smaller than the replicas) are left out.
+
+    Args:
+        tensors: the batch's tensors (`stackable`).
+        replicas: how many shards.
+        even: the examples are known to divide evenly: one run.
+
+    Returns:
+        `(stacked tensors, shards in the run)` per run, and the shards in all.
     """
     batched = [t for t in tensors if t.shape.rank != 0]
     examples = tf.shape(batched[0])[0]
+    per_shard, larger = examples // replicas, examples % replicas
+    if even:
+        runs = [(per_shard, replicas)]
+        parts = [[t] for t in tensors]
+    else:
+        smaller = tf.where(per_shard > 0, replicas - larger, 0)
+        runs = [(per_shard + 1, larger), (per_shard, smaller)]
+        sizes = [size * count for size, count in runs]
+        parts = [tf.split(t, sizes) if t.shape.rank != 0 else None for t in tensors]
     stacked = []
-    for t in tensors:
-        if t.shape.rank == 0:
-            stacked.append(tf.fill([replicas], t))
-        else:
-            rest = tf.shape(t)[1:]
-            stacked.append(tf.reshape(t, tf.concat([[replicas, examples // replicas], rest], 0)))
-    return stacked
+    for k, (size, count) in enumerate(runs):
+        run = []
+        for t, pieces in zip(tensors, parts):
+            if t.shape.rank == 0:
+                run.append(tf.fill([count], t))
+            else:
+                rest = tf.shape(pieces[k])[1:]
+                run.append(tf.reshape(pieces[k], tf.concat([[count, size], rest], 0)))
+        stacked.append((run, count))
+    return stacked, (replicas if even else larger + smaller)
 
 
 def is_tensor(value) -> bool:
@@ -485,30 +525,19 @@ class Program:
             return [*(tf.identity(t) for t in flat), tf.constant(True)]
 
     def _put_batch(self, tensors) -> tf.Operation:
-        """Queues a batch as one shard per replica.
-
-        A batch whose examples divide evenly (every batch of a fixed batch
-        size that is a multiple of the replicas, and every token) goes on
-        the queue with one `enqueue_many`; another (a last, smaller batch)
-        is split and queued shard by shard. Where the batch's size is known
-        when tracing, only one of the two ways is traced.
-        """
+        """Queues a batch as one shard per replica, a run of equal shards
+        per op (`stack_in_graph`): one run where the batch's size is known
+        to divide evenly (a static batch size that is a multiple of the
+        replicas), two otherwise. One replica, or a batch that cannot be
+        stacked (a token: no examples), is queued shard by shard."""
         replicas = len(self.extended.replica_devices)
         batched = [t for t in tensors if t.shape.rank != 0]
-        if replicas == 1 or not batched:
+        size = batched[0].shape[0] if batched and batched[0].shape.rank is not None else None
+        if replicas == 1 or not batched or size == 0 or not stackable(tensors):
             return self.channel.put(split_in_graph(tensors, replicas))
-
-        def even():
-            return self.channel.put_stacked(stack_in_graph(tensors, replicas), replicas)
-
-        def uneven():
-            return self.channel.put(split_in_graph(tensors, replicas))
-
-        known = batched[0].shape.rank is not None and batched[0].shape[0] is not None
-        if known:
-            return even() if batched[0].shape[0] % replicas == 0 else uneven()
-        divides = tf.equal(tf.shape(batched[0])[0] % replicas, 0)
-        return tf.cond(divides, lambda: _after(even()), lambda: _after(uneven())).op
+        even = size is not None and size % replicas == 0
+        runs, count = stack_in_graph(tensors, replicas, even=even)
+        return self.channel.put_stacked(runs, count)
 
     def _start_in_graph(self):
         with tf.control_dependencies([self.fresh.assign(True, read_value=False)]):
@@ -621,8 +650,3 @@ class Program:
 
     def replica_steps(self) -> list[int]:
         return self.extended.replica_steps()
-
-
-def _after(op: tf.Operation) -> tf.Tensor:
-    with tf.control_dependencies([op]):
-        return tf.constant(True)
