@@ -232,6 +232,35 @@ def test_max_staleness_holds_fast_replicas_back():
 
 
 @pytest.mark.timeout(30)
+def test_a_stop_made_while_the_monitor_looks_does_not_wait_for_its_next_look(monkeypatch):
+    """The idle monitor reads the progress outside its wait; a stop made then
+    (an epoch's end) is seen at once, not after the monitor's next period."""
+    monkeypatch.setattr(workers, "POLL_SECONDS", 0.001)
+    runner, errors, loops = make(2)
+    looking, go_on = threading.Event(), threading.Event()
+    progress = runner.progress
+
+    def slow_progress():
+        if not looking.is_set():
+            looking.set()
+            go_on.wait(10)
+        return progress()
+
+    runner.progress = slow_progress
+    loops.start()
+    assert looking.wait(10)  # the monitor is between two waits
+    monkeypatch.setattr(workers, "POLL_SECONDS", 60.0)  # its next wait: 5 minutes
+    stopper = threading.Thread(target=loops.stop, kwargs={"timeout": 20.0})
+    stopper.start()
+    deadline = time.monotonic() + 10
+    while not loops._stopping and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go_on.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and loops.threads() == []
+    assert not errors
+
+
 def test_stop_returns_when_threads_are_gone():
     runner, errors, loops = make(2)
     loops.stop()  # nothing started: nothing to wait for

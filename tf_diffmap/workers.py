@@ -335,7 +335,9 @@ class ReplicaLoops:
         idle_since, last = None, None
         while True:
             with self._lock:
-                self._idle.wait(POLL_SECONDS * 5)
+                # A stop made while this thread looked at the progress (out
+                # of the wait) must not wait for the next look.
+                self._idle.wait_for(lambda: self._stopping, POLL_SECONDS * 5)
                 if self._stopping or not any(t.is_alive() for t in self._threads.values()):
                     self._monitor = None
                     return
