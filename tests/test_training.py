@@ -222,8 +222,9 @@ def test_stacked_runs_hold_the_shards_a_split_gives(examples):
         np.testing.assert_array_equal(tf.reshape(rows, [-1, 2]), x)
     # Shards that would hold no elements (tokens, a zero-sized feature) are
     # queued one by one: TensorFlow's enqueue_many does not take them.
-    assert stackable([x, tf.constant(3.0)])
+    assert stackable([tf.zeros([3, 2]), tf.constant(3.0)])
     assert not stackable([tf.zeros([4, 0])]) and not stackable([tf.zeros([4, 2])[:, :0]])
+    assert not stackable([tf.zeros([0, 2])]) and not stackable([tf.constant(1.0)])
 
 
 def test_run_eagerly_applies_one_update_per_batch(data):

@@ -61,16 +61,18 @@ def stackable(tensors) -> bool:
     """Whether a batch's shards may go on a queue stacked (`stack_in_graph`).
 
     Each shard of a stacked run must hold data: TensorFlow's `enqueue_many`
-    does not take items with no elements. So every batched tensor needs a
-    known rank and, past the batch dimension, sizes known when tracing and
-    not zero; a batch of tokens (no examples at all) is queued shard by shard.
+    does not take items with no elements. So there must be a batched tensor,
+    every batched tensor needs a known rank and, past the batch dimension,
+    sizes known when tracing and not zero, and the batch must not be known
+    to hold no example (a token); such a batch is queued shard by shard.
     """
-    for t in tensors:
-        if t.shape.rank == 0:
-            continue
-        if t.shape.rank is None or any(d is None or d == 0 for d in t.shape[1:]):
-            return False
-    return True
+    batched = [t for t in tensors if t.shape.rank != 0]
+    if not batched or batched[0].shape.rank is not None and batched[0].shape[0] == 0:
+        return False
+    return all(
+        t.shape.rank is not None and all(d is not None and d > 0 for d in t.shape[1:])
+        for t in batched
+    )
 
 
 def stack_in_graph(
@@ -531,10 +533,9 @@ class Program:
         replicas), two otherwise. One replica, or a batch that cannot be
         stacked (a token: no examples), is queued shard by shard."""
         replicas = len(self.extended.replica_devices)
-        batched = [t for t in tensors if t.shape.rank != 0]
-        size = batched[0].shape[0] if batched and batched[0].shape.rank is not None else None
-        if replicas == 1 or not batched or size == 0 or not stackable(tensors):
+        if replicas == 1 or not stackable(tensors):
             return self.channel.put(split_in_graph(tensors, replicas))
+        size = next(t for t in tensors if t.shape.rank != 0).shape[0]
         even = size is not None and size % replicas == 0
         runs, count = stack_in_graph(tensors, replicas, even=even)
         return self.channel.put_stacked(runs, count)
