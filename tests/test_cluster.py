@@ -71,10 +71,21 @@ CLIENT = textwrap.dedent(
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                       keras.layers.Dense(2)])
             model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        before = model.evaluate(x, y, verbose=0)
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        before = model.evaluate(x, y, verbose=0)[0]
         model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-        after = model.evaluate(x, y, verbose=0)
+        after = model.evaluate(x, y, verbose=0)[0]
+        # Where the replicas' loops do their bookkeeping on the counters.
+        from tf_diffmap.store import BOOKKEEPING_SCOPE
+        bookkeeping = set()
+        for program in strategy.extended._training_programs():
+            for concrete in program.loop_concretes.values():
+                for function in concrete.graph.as_graph_def().library.function:
+                    bookkeeping.update(
+                        node.device for node in function.node_def
+                        if BOOKKEEPING_SCOPE + "/" in node.name
+                    )
         # What the chief's Keras loop iterates, and where the replicas' input is.
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
         chief_batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
@@ -86,6 +97,8 @@ CLIENT = textwrap.dedent(
             "examples": strategy.statistics().examples.tolist(),
             "replicas": list(strategy.replica_devices),
             "store": sorted({w.value.device for w in model.weights}),
+            "metric_variables": sorted({v.value.device for m in model.metrics for v in m.variables}),
+            "bookkeeping": sorted(bookkeeping),
             "version": strategy.version,
             "updates": strategy.statistics().updates.tolist(),
             "before": before, "after": after, "pids": list(local.pids.values()),
@@ -119,6 +132,11 @@ def test_training_across_worker_and_ps_processes(tmp_path):
         "/job:ps/replica:0/task:0",
         "/job:ps/replica:0/task:1",
     }
+    # A step's bookkeeping and its metrics' totals are on the chief, beside
+    # the counters and the outputs: only the values they need cross tasks.
+    chief = "/job:chief/replica:0/task:0/device:CPU:0"
+    assert report["bookkeeping"] == [chief]
+    assert report["metric_variables"] == [chief]
     assert report["version"] == 3 * 16 * 4 == sum(report["updates"])
     assert min(report["updates"]) > 0
     # Each worker task built its own pipeline: the chief's loop iterates

@@ -169,10 +169,15 @@ def test_tutorial_training_loop_checkpoint_and_restore_without_strategy(digits, 
         assert int(tutorial.test_loss.count) == len(test_images)
         assert strategy.version == (epoch + 1) * per_epoch
         assert int(tutorial.optimizer.iterations) == strategy.version
-        # The printed loss is the mean loss of the epoch's recent shards: it
-        # lies between the training set's loss before and after the epoch.
+        # The printed loss is the mean loss of the epoch's recent shards, on
+        # the scale of a global batch's mean loss: near the training set's
+        # loss before and after the epoch. A loss summed or averaged wrongly
+        # over the 4 replicas would be 4 times off. Asynchronous Adam(0.01)
+        # is noisy: the model at an epoch's end once sat at 0.66 where the
+        # epoch's shards had averaged 0.38, so the bounds hold a factor of 2.
         loss_after = tutorial.mean_loss(train_images, train_labels)
-        assert 0.6 * loss_after < float(train_loss) < 1.4 * loss_before, (
+        low, high = sorted([loss_before, loss_after])
+        assert 0.5 * low < float(train_loss) < 2 * high, (
             loss_after,
             float(train_loss),
             loss_before,

@@ -34,6 +34,9 @@ _VERSION_LIMIT = np.iinfo(np.int64).max
 _UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _HISTOGRAM = range(5)
 # Columns of `ParameterStore.ledger`.
 _STEPS, _CLAIMS = range(2)
+# The name scope of a step's ops on the per-replica counters (its statistics
+# and its claims so far), which run beside those counters.
+BOOKKEEPING_SCOPE = "tf_diffmap_bookkeeping"
 
 
 def _read(variable: tf.Variable) -> np.ndarray:
@@ -169,7 +172,16 @@ class ParameterStore:
     # -- placement ------------------------------------------------------------
 
     def device_for(self, kwargs: dict) -> str:
-        """Chooses the device of a new variable and accounts for its bytes."""
+        """Chooses the device of a new variable and accounts for its bytes.
+
+        A variable synchronized on read (a Keras metric's totals) is not a
+        parameter: it lives beside the ledger, on the host that keeps the
+        steps' outputs, which are what a step computes from it. On a cluster
+        a step then sends its metric updates to that host once, rather than
+        to a parameter server and its results back.
+        """
+        if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
+            return self.ledger_device
         colocate_with = kwargs.get("colocate_with")
         if colocate_with is not None:
             device = colocate_with.device
@@ -259,7 +271,7 @@ class ParameterStore:
 
     def claims_of(self, replica_id) -> tf.Tensor:
         """Claims a replica has recorded (applied plus dropped updates)."""
-        with tf.device(self.host):
+        with tf.name_scope(BOOKKEEPING_SCOPE), tf.device(self.ledger_device):
             counts = self.counters.read_value()
             return tf.gather(counts[:, _UPDATES] + counts[:, _DROPPED], replica_id)
 
@@ -330,7 +342,7 @@ class ParameterStore:
                 rate (1 when none did).
             examples: the examples of the shard the update was computed on.
         """
-        with tf.device(self.host):
+        with tf.name_scope(BOOKKEEPING_SCOPE), tf.device(self.ledger_device):
             row = tf.cast(replica_id, tf.int64)
             applied = tf.cast(applied, tf.int64)
             staleness = tf.cast(staleness, tf.int64)
