@@ -97,7 +97,9 @@ CLIENT = textwrap.dedent(
             "examples": strategy.statistics().examples.tolist(),
             "replicas": list(strategy.replica_devices),
             "store": sorted({w.value.device for w in model.weights}),
-            "metric_variables": sorted({v.value.device for m in model.metrics for v in m.variables}),
+            "metric_variables": sorted(
+                {v.value.device for m in model.metrics for v in m.variables}
+            ),
             "bookkeeping": sorted(bookkeeping),
             "version": strategy.version,
             "updates": strategy.statistics().updates.tolist(),
