@@ -119,7 +119,8 @@ class ParameterStore:
         on_host_access: called before a store variable is read or written
             eagerly outside a replica (the strategy drains there).
         ledger_device: where the steps are counted completed (the host of
-            the queue they come from); by default the store's host.
+            the queue they come from), with the per-replica counters and
+            the metrics' totals; by default the store's host.
     """
 
     def __init__(
@@ -176,9 +177,9 @@ class ParameterStore:
 
         A variable synchronized on read (a Keras metric's totals) is not a
         parameter: it lives beside the ledger, on the host that keeps the
-        steps' outputs, which are what a step computes from it. On a cluster
-        a step then sends its metric updates to that host once, rather than
-        to a parameter server and its results back.
+        steps' outputs (a metric's result is one). On a cluster a step then
+        sends its metric updates to that host, rather than to a parameter
+        server with the results sent back.
         """
         if kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ:
             return self.ledger_device
