@@ -97,9 +97,10 @@ class CounterSnapshots:
         self._readers: set[int] = set()
         self._lock = threading.Lock()
         replicas, columns = store.counters.shape
-        # On a cluster the counters live on a ps task: an op of Keras' step
-        # that reaches it, even in a branch that does not run, makes every
-        # step a call to that task (and a lost ps the step's own error).
+        # On a cluster the version counter lives on a ps task: an op of
+        # Keras' step that reaches it, even in a branch that does not run,
+        # makes every step a call to that task (and a lost ps the step's own
+        # error).
         # There Keras' graph only counts its steps, and `read` takes one
         # snapshot from Python when asked.
         self.in_graph = task_of(store.host) == task_of(client_host)
