@@ -134,7 +134,7 @@ class ParameterStore:
         self.num_replicas = num_replicas
         self._on_host_access = on_host_access
         self._bytes = {d: 0 for d in self.devices}
-        self.host = host_cpu(self.devices[0])  # where the counters live
+        self.host = host_cpu(self.devices[0])  # the version and the marks
         self.histogram_bins = max(64, 8 * num_replicas)
         # Claims whose step never completed (see `settle_abandoned`).
         self.abandoned = 0
