@@ -78,7 +78,9 @@ CLIENT = textwrap.dedent(
         after = model.evaluate(x, y, verbose=0)[0]
         # Where the replicas' loops do their bookkeeping on the counters.
         from tf_diffmap.store import BOOKKEEPING_SCOPE
-        bookkeeping = set()
+        from tf_diffmap._tf_internal import PACKED_SCOPE
+        bookkeeping, packs = set(), set()
+        task = lambda device: device.split("/device")[0]
         for program in strategy.extended._training_programs():
             for concrete in program.loop_concretes.values():
                 for function in concrete.graph.as_graph_def().library.function:
@@ -86,6 +88,14 @@ CLIENT = textwrap.dedent(
                         node.device for node in function.node_def
                         if BOOKKEEPING_SCOPE + "/" in node.name
                     )
+                    # Which tasks each pack of crossing values goes between.
+                    ends = {}
+                    for node in function.node_def:
+                        if PACKED_SCOPE + "/" in node.name and node.op in ("ConcatV2", "SplitV"):
+                            name = node.name.rsplit("/", 1)[1]
+                            pack = name.replace("concat", "").replace("split", "")
+                            ends.setdefault(pack, {})[node.op] = task(node.device)
+                    packs.update((e["ConcatV2"], e["SplitV"]) for e in ends.values())
         # What the chief's Keras loop iterates, and where the replicas' input is.
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
         chief_batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
@@ -101,6 +111,7 @@ CLIENT = textwrap.dedent(
                 {v.value.device for m in model.metrics for v in m.variables}
             ),
             "bookkeeping": sorted(bookkeeping),
+            "packs": sorted(packs),
             "version": strategy.version,
             "updates": strategy.statistics().updates.tolist(),
             "before": before, "after": after, "pids": list(local.pids.values()),
@@ -110,10 +121,10 @@ CLIENT = textwrap.dedent(
 )
 
 
-def run_chief(script: str, tmp_path) -> dict:
+def run_chief(script: str, tmp_path, *args: str) -> dict:
     """Runs a chief script in a process of its own; returns its last line's JSON."""
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, *args],
         env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
         capture_output=True,
         text=True,
@@ -139,6 +150,14 @@ def test_training_across_worker_and_ps_processes(tmp_path):
     chief = "/job:chief/replica:0/task:0/device:CPU:0"
     assert report["bookkeeping"] == [chief]
     assert report["metric_variables"] == [chief]
+    # The parameters each ps task sends a replica, and the gradients sent
+    # back, travel as one tensor each way; so do the metrics' updates.
+    workers = [f"/job:worker/replica:0/task:{t}" for t in (0, 1)]
+    ps = [f"/job:ps/replica:0/task:{t}" for t in (0, 1)]
+    packs = {tuple(p) for p in report["packs"]}
+    assert {(p, w) for p in ps for w in workers} <= packs
+    assert {(w, p) for p in ps for w in workers} <= packs
+    assert {(w, chief.split("/device")[0]) for w in workers} <= packs
     assert report["version"] == 3 * 16 * 4 == sum(report["updates"])
     assert min(report["updates"]) > 0
     # Each worker task built its own pipeline: the chief's loop iterates
@@ -509,3 +528,71 @@ def test_dataset_functions_run_on_each_worker_and_stateful_datasets_are_refused(
     # one update each (tokens per epoch: 32 batches / 2 replicas per step).
     assert report["version"] == 2 * 32
     assert sum(report["examples"]) == 2 * 512
+
+
+# One replica, so that training is the same sequence of updates every time:
+# with and without packing what crosses between tasks, the weights must agree.
+PACKING_CLIENT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import keras, numpy as np, tensorflow as tf
+    import tf_diffmap
+    from tf_diffmap import _tf_internal, cluster
+
+    if sys.argv[1] == "unpacked":
+        _tf_internal.pack_crossings = lambda graph: 0
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    keras.utils.set_random_seed(0)
+    with cluster.LocalCluster(workers=1, ps=2) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((8,)),
+                keras.layers.Dense(16), keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                keras.layers.Dense(16), keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                keras.layers.Dense(2, dtype="float32"),
+            ])
+            model.compile(
+                optimizer=tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(0.01), staleness="dc"),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        before = model.evaluate(x, y, verbose=0)[0]
+        history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+        after = model.evaluate(x, y, verbose=0)[0]
+        packs = 0
+        for program in strategy.extended._training_programs():
+            for concrete in program.loop_concretes.values():
+                for function in concrete.graph.as_graph_def().library.function:
+                    packs += sum(
+                        node.op == "ConcatV2" and _tf_internal.PACKED_SCOPE + "/" in node.name
+                        for node in function.node_def
+                    )
+        report = {
+            "weights": [w.tolist() for w in model.get_weights()],
+            "loss": history.history["loss"], "before": before, "after": after,
+            "version": strategy.version, "packs": packs,
+        }
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.slow
+def test_packing_what_crosses_between_tasks_changes_no_value(tmp_path):
+    """Mixed precision, batch normalization (whose moving statistics the
+    worker computes and the ps keeps), two ps tasks, and the delay
+    compensation rule, which reads the values the step read."""
+    import numpy as np
+
+    reports = {mode: run_chief(PACKING_CLIENT, tmp_path, mode) for mode in ("packed", "unpacked")}
+    packed, unpacked = reports["packed"], reports["unpacked"]
+    assert packed["packs"] > 0 and unpacked["packs"] == 0
+    assert packed["version"] == unpacked["version"] == 2 * 256 // 32
+    assert packed["after"] < packed["before"]
+    assert packed["loss"] == unpacked["loss"]
+    for mine, theirs in zip(packed["weights"], unpacked["weights"]):
+        np.testing.assert_array_equal(np.array(mine), np.array(theirs))

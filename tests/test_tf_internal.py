@@ -96,3 +96,114 @@ def test_scalar_bookkeeping_runs_beside_the_variables_it_reads():
     assert moved["ops"] >= 3  # the division, the cast and its constant
     mean, doubled, loss = step(tf.constant([1.0, 2.0]))
     assert float(mean) == 2.0 and float(loss) == 6.0 and int(steps.numpy()) == 1
+
+
+PS = "/job:ps/replica:0/task:0/device:CPU:0"
+WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+def _run_without_devices(graph, fetches, feeds):
+    """Runs `graph` in this process: the tasks its ops name do not exist here."""
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        node.device = ""
+    with tf.Graph().as_default() as local:
+        tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=local) as session:
+            return session.run(
+                [f"{t.op.name}:{t.value_index}" for t in fetches],
+                {f"{t.op.name}:{t.value_index}": v for t, v in feeds.items()},
+            )
+
+
+def test_values_crossing_between_tasks_travel_packed_and_unchanged():
+    import numpy as np
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            kernel = tf.compat.v1.placeholder(tf.float32, [3, 2], name="kernel")
+            bias = tf.compat.v1.placeholder(tf.float32, [2], name="bias")
+            steps = tf.compat.v1.placeholder(tf.int64, [], name="steps")  # not floating
+            kernel_read, bias_read = tf.identity(kernel), tf.identity(bias)
+        with tf.device(WORKER):
+            x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+            logits = tf.matmul(x, kernel_read) + bias_read
+            loss = tf.reduce_sum(logits * logits)
+            # The gradients of the loss, written out (tf.gradients colocates
+            # its ops with the forward ones, as a GradientTape does not).
+            kernel_grad = 2.0 * tf.matmul(x, logits, transpose_a=True)
+            bias_grad = 2.0 * tf.reduce_sum(logits, axis=0)
+            counted = steps + 1
+        with tf.device(PS):
+            new_kernel = kernel_read - 0.1 * kernel_grad
+            new_bias = bias_read - 0.1 * bias_grad
+            counted_there = counted * 2
+    before = {op.name for op in graph.get_operations()}
+    rng = np.random.default_rng(0)
+    feeds = {
+        kernel: rng.normal(size=(3, 2)).astype("float32"),
+        bias: rng.normal(size=2).astype("float32"),
+        steps: 4,
+        x: rng.normal(size=(4, 3)).astype("float32"),
+    }
+    fetches = [new_kernel, new_bias, counted_there, loss]
+    expected = _run_without_devices(graph, fetches, feeds)
+
+    # Two parameters to the worker, two gradients back; the int64 goes alone.
+    assert _tf_internal.pack_crossings(graph) == 4
+    packed = [op for op in graph.get_operations() if op.name not in before]
+    assert all(op.name.startswith(_tf_internal.PACKED_SCOPE) for op in packed)
+    joins = {op.device: op for op in packed if op.type == "ConcatV2"}
+    splits = {op.device: op for op in packed if op.type in ("Split", "SplitV")}
+    assert len([op for op in packed if op.type == "ConcatV2"]) == 2
+    assert set(joins) == set(splits) == {PS, WORKER}
+    # Every op across the tasks from what it uses now takes a piece of a pack.
+    for op in graph.get_operations():
+        if op.name in before and op.device:
+            for tensor in op.inputs:
+                crosses = tensor.op.device and tensor.op.device != op.device
+                if crosses and tensor.dtype == tf.float32:
+                    assert tensor.op.name.startswith(_tf_internal.PACKED_SCOPE), op.name
+    assert counted.op.inputs[0] is steps
+    actual = _run_without_devices(graph, fetches, feeds)
+    for want, got in zip(expected, actual):
+        np.testing.assert_array_equal(got, want)  # bit for bit
+
+
+def test_a_value_that_waits_for_its_packs_consumers_is_not_packed():
+    """Packing b with a would make b wait for itself: b is computed on the ps
+    from what the worker made of a."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            a = tf.compat.v1.placeholder(tf.float32, [2], name="a")
+            d = tf.compat.v1.placeholder(tf.float32, [3], name="d")
+            a_there, d_there = tf.identity(a), tf.identity(d)
+        with tf.device(WORKER):
+            a_used = a_there * 2.0
+        with tf.device(PS):
+            b = a_used + 1.0  # depends on the worker's use of a
+            with tf.control_dependencies([a_used]):
+                c = tf.identity(d_there)  # waits for it, by a control edge
+        with tf.device(WORKER):
+            b_used = b * 3.0
+            out = b_used + tf.reduce_sum(d_there) + tf.reduce_sum(c)
+    assert _tf_internal.pack_crossings(graph) == 2  # a and d; neither b nor c
+    assert b_used.op.inputs[0] is b
+    assert not c.op.name.startswith(_tf_internal.PACKED_SCOPE)
+    (value,) = _run_without_devices(graph, [out], {a: [1.0, 2.0], d: [1.0, 1.0, 1.0]})
+    assert list(value) == [15.0, 21.0]
+
+
+def test_a_value_too_large_to_gain_travels_alone():
+    rows = _tf_internal.PACK_MAX_BYTES // (4 * 64) + 1  # just over the limit in float32
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(PS):
+            large = tf.identity(tf.compat.v1.placeholder(tf.float32, [rows, 64]))
+            small = [tf.identity(tf.compat.v1.placeholder(tf.float32, [8])) for _ in range(2)]
+        with tf.device(WORKER):
+            used = [tf.reduce_sum(large) + tf.reduce_sum(s) for s in small]
+    assert _tf_internal.pack_crossings(graph) == 2
+    assert used[0].op.inputs[0].op.inputs[0] is large

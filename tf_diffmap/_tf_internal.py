@@ -98,7 +98,7 @@ def compatibility_problems() -> list[str]:
         problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
-    for name in ("_set_device", "_is_stateful"):
+    for name in ("_set_device", "_is_stateful", "_update_input"):
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
     return problems
@@ -379,6 +379,179 @@ def place_scalars_beside_reads(graph, replica_device: str) -> int:
             beside[op.name] = device
             moved += 1
     return moved
+
+
+# Where the ops that pack and unpack the values crossing between tasks are named.
+PACKED_SCOPE = "tf_diffmap_packed"
+
+_PACKED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+# Values above this size travel alone: their transfer's fixed cost is small
+# beside their bytes, and joining them would only copy them once more.
+PACK_MAX_BYTES = 1 << 20
+
+# Ops that run functions: a resource they take does not place them.
+_CALLS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
+    | {"PartitionedCall", "StatefulPartitionedCall"}
+)
+
+
+def _full_device(name: str | None) -> str | None:
+    """`name` if it names a task and a device completely, else None."""
+    key = _device_key(name)
+    if key is None or None in key:
+        return None
+    return tf.DeviceSpec.from_string(name).to_string()
+
+
+def _runs_on(op, handles: dict[int, str]) -> str | None:
+    """Where the placer will put `op`, when the graph already says so: beside
+    the variable of its resource input, or on its own full device. None
+    when that is for the placer to decide (a `colocate_with`, a partial or
+    empty device, a call of a function or a conditional, whose ops go
+    where their own devices say)."""
+    if op.type in _CALLS:
+        return None
+    for tensor in op.inputs:
+        if tensor.dtype == tf.resource:
+            return handles.get(id(tensor))
+    try:
+        op.get_attr("_class")
+    except ValueError:
+        return _full_device(op.device)
+    return None
+
+
+def _successors(operations) -> dict:
+    """Each op's successors: its consumers and control outputs, and the edges
+    that `tf.function`'s automatic control dependencies add once the trace
+    ends (each op on a resource after the previous one on it; stateful ops
+    without a resource one after the other)."""
+    after: dict = {op: set() for op in operations}
+    last: dict = {}
+    for op in operations:
+        for tensor in op.inputs:
+            if tensor.op in after:
+                after[tensor.op].add(op)
+        for control in op.control_inputs:
+            if control in after:
+                after[control].add(op)
+        keys = [id(t) for t in op.inputs if t.dtype == tf.resource]
+        if not keys and op._is_stateful:  # noqa: SLF001
+            keys = ["stateful"]
+        for key in keys:
+            if key in last:
+                after[last[key]].add(op)
+            last[key] = op
+    return after
+
+
+def _reaches(after: dict, starts) -> set:
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for nxt in after.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def pack_crossings(graph) -> int:
+    """Makes the values that a traced step sends from one task to another
+    travel as one tensor per pair of devices and dtype.
+
+    On a cluster a replica step reads every parameter from a ps task, sends
+    every gradient back, and sends its metrics' updates to the chief: each
+    value is one transfer between the tasks, a remote call with its own
+    fixed cost on both sides, per value and per update (a convolutional
+    network with batch normalization has dozens of variables). Here the
+    floating-point values that go from one device to a device of another
+    task are flattened and joined where they are made, travel as one
+    tensor, and are cut apart again where they are used: every op that used
+    one of them uses its piece. Only the transfers change: each op runs
+    where and after what it ran before, and the values are the same, bit
+    for bit.
+
+    A pair of devices is packed only where both ends are known as the step
+    is traced (an op beside the variable it reads or writes, or an op with
+    a full device), for values of fully known shape and at most
+    `PACK_MAX_BYTES` (a larger value's bytes outweigh its call), two or more
+    at a time.
+    Joining values makes each wait for all: a value that depends on what is
+    done with another one of its pack (on the far side, or through packs
+    already made) is left out, counting the dependencies that `tf.function`
+    adds between the ops on one resource once the trace ends. Ops of nested
+    graphs (conditionals' branches) are left as they are; they see the
+    pieces through their graph's inputs.
+
+    Uses the private `Operation._update_input`, the one way to change what
+    an op of a graph being traced takes as input.
+
+    Args:
+        graph: the step's graph, while it is traced (before it becomes a
+            function), or any graph whose ops name their devices.
+
+    Returns:
+        How many values travel packed.
+    """
+    handles = {
+        id(internal): _full_device(external.device)
+        for external, internal in getattr(graph, "captures", ())
+        if getattr(external, "dtype", None) == tf.resource
+    }
+    operations = graph.get_operations()
+    where = {op: _runs_on(op, handles) for op in operations}
+    groups: dict[tuple, dict] = {}
+    for op in operations:
+        source = where[op]
+        if source is None:
+            continue
+        for tensor in op.outputs:
+            if tensor.dtype not in _PACKED_DTYPES or not tensor.shape.is_fully_defined():
+                continue
+            if tensor.shape.num_elements() * tensor.dtype.size > PACK_MAX_BYTES:
+                continue
+            for consumer in tensor.consumers():
+                target = where.get(consumer)
+                if target is None or task_of(target) == task_of(source):
+                    continue
+                users = groups.setdefault((source, target, tensor.dtype), {}).setdefault(
+                    tensor.ref(), []
+                )
+                for index, given in enumerate(consumer.inputs):
+                    if given is tensor and (consumer, index) not in users:
+                        users.append((consumer, index))
+    after = _successors(operations)
+    packed = 0
+    with graph.as_default(), tf.name_scope(PACKED_SCOPE):
+        for (source, target, _), uses in groups.items():
+            # Leave out what depends on the pack's own consumers, until
+            # nothing does.
+            while len(uses) > 1:
+                downstream = _reaches(after, [c for users in uses.values() for c, _ in users])
+                cyclic = [ref for ref in uses if ref.deref().op in downstream]
+                if not cyclic:
+                    break
+                for ref in cyclic:
+                    del uses[ref]
+            if len(uses) < 2:
+                continue
+            values = [ref.deref() for ref in uses]
+            with tf.device(source):
+                joined = tf.concat([tf.reshape(t, [-1]) for t in values], 0)
+            with tf.device(target):
+                pieces = tf.split(joined, [t.shape.num_elements() for t in values])
+                for tensor, piece in zip(values, pieces):
+                    unpacked = tf.reshape(piece, tensor.shape)
+                    for consumer, index in uses[tensor.ref()]:
+                        consumer._update_input(index, unpacked)  # noqa: SLF001
+            # Later packs must see this one's dependencies: every consumer
+            # now waits for every value packed.
+            for tensor in values:
+                after[tensor.op].update(c for users in uses.values() for c, _ in users)
+            packed += len(values)
+    return packed
 
 
 # -- the eager context's cluster (faults across hosts) -----------------------

@@ -199,9 +199,9 @@ class Program:
                     # Claims this replica has made in all (read after this
                     # step's records): a claim inside a branch may not run.
                     claims = extended._store.claims_of(replica_id)
-                    _tf_internal.place_scalars_beside_reads(
-                        tf.compat.v1.get_default_graph(), device
-                    )
+                    graph = tf.compat.v1.get_default_graph()
+                    _tf_internal.place_scalars_beside_reads(graph, device)
+                    _tf_internal.pack_crossings(graph)
                 result.setdefault("trains", state.claimed)
                 return outputs, claims
 
