@@ -324,6 +324,20 @@ PRESETS = {
 }
 
 
+def with_cluster_model(plan: Plan, model: str) -> Plan:
+    """`plan` with the cluster workloads on `model` (a key of `workloads.MODELS`);
+    without the floor where it has no such model (it knows the plain MLPs)."""
+    from benchmarks.floor import HIDDEN_UNITS
+    from benchmarks.workloads import MODELS
+
+    if model not in MODELS:
+        raise ValueError(f"Unknown model {model!r}; expected one of {sorted(MODELS)}.")
+    contenders = tuple(
+        c for c in plan.cluster_contenders if c != "floor_cluster" or model in HIDDEN_UNITS
+    )
+    return dataclasses.replace(plan, cluster_model=model, cluster_contenders=contenders)
+
+
 def steps_per_epoch(plan: Plan, model: str) -> int:
     return math.ceil(plan.examples_per_epoch[model] / plan.batch_size)
 

@@ -924,7 +924,9 @@ def build(
     accuracy = _accuracy(runs, plan.max_staleness)
     control = _control(runs)
     cluster = _cluster(runs)
-    cluster_floor = _cluster_floor(cluster, plan) if "cluster" in plan.workloads else []
+    # Without the floor (not run for a model it does not know) there is no table.
+    ran_floor = "cluster" in plan.workloads and "floor_cluster" in plan.cluster_contenders
+    cluster_floor = _cluster_floor(cluster, plan) if ran_floor else []
     fault_timeline = _fault_timeline(runs)
     targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
     if "control" in plan.workloads:

@@ -506,6 +506,13 @@ def _parser() -> argparse.ArgumentParser:
         default=2048,
         help="memory of each logical GPU when a GPU is split (default 2048)",
     )
+    parser.add_argument(
+        "--cluster-model",
+        choices=("mlp_wide", "mlp_deep_bn"),
+        default=None,
+        help="the model of the cluster workloads (default mlp_wide: 6 variables; "
+        "mlp_deep_bn: 50 small ones, which the floor does not run)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
 
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             control_contenders=tuple(c for c in plan.control_contenders if c in chosen),
             cluster_contenders=tuple(c for c in plan.cluster_contenders if c in chosen),
         )
+    if args.cluster_model is not None:
+        plan = plans.with_cluster_model(plan, args.cluster_model)
     if args.step_seconds is not None:
         plan = dataclasses.replace(plan, step_seconds=args.step_seconds)
     if args.only:

@@ -40,7 +40,17 @@ MODELS = {
     },
     # The cluster workload's model, digits-shaped.
     "mlp_wide": {"input_shape": (64,), "classes": 10, "description": "MLP 64-256-256-10 (ReLU)"},
+    # A model of many small variables (50), as convolutional networks with
+    # batch normalization have: `--cluster-model` runs the cluster workload on it.
+    "mlp_deep_bn": {
+        "input_shape": (64,),
+        "classes": 10,
+        "description": "MLP of 8 blocks Dense(64)-BatchNormalization-ReLU, then 10",
+    },
 }
+
+# Blocks of the "mlp_deep_bn" model.
+DEEP_BN_BLOCKS = 8
 
 # The control workload's model: so small that a step is almost all control path.
 CONTROL_MODEL = {"features": 8, "description": "Dense(1) on 8 inputs, MSE, SGD"}
@@ -199,6 +209,12 @@ def build_model(keras: ModuleType, model: str, delay_layer=None):
         body = [
             layers.Dense(256, activation="relu"),
             layers.Dense(256, activation="relu"),
+        ]
+    elif model == "mlp_deep_bn":
+        body = [
+            layer
+            for _ in range(DEEP_BN_BLOCKS)
+            for layer in (layers.Dense(64), layers.BatchNormalization(), layers.ReLU())
         ]
     elif model == "cnn":
         body = [

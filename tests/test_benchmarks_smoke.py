@@ -252,3 +252,26 @@ def test_smoke_fault_timeline(tmp_path):
     if plots:
         assert "fault_timeline.png" in results["figures"]
         assert (tmp_path / "fault_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
+    import keras
+
+    from benchmarks import plan as plans
+    from benchmarks.workloads import MODELS, build_model
+
+    full = plans.PRESETS["full"]
+    deep = plans.with_cluster_model(full, "mlp_deep_bn")
+    assert deep.cluster_model == "mlp_deep_bn"
+    assert "floor_cluster" in full.cluster_contenders
+    assert deep.cluster_contenders == tuple(
+        c for c in full.cluster_contenders if c != "floor_cluster"
+    )
+    sessions = plans._cluster_sessions(deep)
+    assert {s["tasks"][0]["model"] for s in sessions} == {"mlp_deep_bn"}
+    assert plans.with_cluster_model(full, "mlp_wide").cluster_contenders == full.cluster_contenders
+    with pytest.raises(ValueError, match="Unknown model"):
+        plans.with_cluster_model(full, "resnet")
+    model = build_model(keras, "mlp_deep_bn")
+    assert len(model.weights) == 50
+    assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
