@@ -477,8 +477,7 @@ def pack_crossings(graph) -> int:
     is traced (an op beside the variable it reads or writes, or an op with
     a full device), for values of fully known shape and at most
     `PACK_MAX_BYTES` (a larger value's bytes outweigh its call), two or more
-    at a time.
-    Joining values makes each wait for all: a value that depends on what is
+    at a time. Joining values makes each wait for all: a value that depends on what is
     done with another one of its pack (on the far side, or through packs
     already made) is left out, counting the dependencies that `tf.function`
     adds between the ops on one resource once the trace ends. Ops of nested
