@@ -158,6 +158,15 @@ class Runtime:
         """The `tf_diffmap.cluster.LocalCluster` of `tf_diffmap_cluster`, else None."""
         return self._servers if self.name == "tf_diffmap_cluster" else None
 
+    def process_ids(self) -> list[int]:
+        """The processes this contender trains in: this one, and the servers
+        of the localhost cluster it started (none off a cluster)."""
+        servers = self._servers
+        if servers is None:
+            return [os.getpid()]
+        pids = servers.pids
+        return [os.getpid(), *(pids.values() if isinstance(pids, dict) else pids)]
+
     def close(self) -> None:
         """Stops the localhost cluster this runtime started, if any."""
         if self._servers is not None:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from benchmarks import workloads
+from benchmarks import timeline, workloads
 
 __all__ = ["HIDDEN_UNITS", "ParameterServerLoop", "run_cluster"]
 
@@ -245,11 +245,14 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     warmup = time.perf_counter() - start
     seconds: list[float] = []
     worker_seconds = [0.0] * workers
+    pids = rt.process_ids()
+    cpu_start = timeline.processes_cpu_seconds(pids)
     while len(seconds) < task["min_epochs"] + 1 or sum(seconds[1:]) < task["min_seconds"]:
         start = time.perf_counter()
         for w, s in enumerate(loop.run(updates)):
             worker_seconds[w] += s
         seconds.append(time.perf_counter() - start)
+    cpu_end = timeline.processes_cpu_seconds(pids)
     counted = seconds[1:]
     median = statistics.median(counted)
     window = sum(seconds)
@@ -275,4 +278,7 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
         "window_seconds": window,
         "devices": list(rt.devices),
         "parameter_devices": list(rt.parameter_devices),
+        **timeline.cpu_per_work(
+            cpu_start, cpu_end, len(pids), workers * per_worker, workers * per_worker * shard
+        ),
     }

@@ -488,6 +488,11 @@ def _cluster(runs) -> list[dict[str, Any]]:
                     r["median_replica_ms_per_update"] for r in results
                 ),
                 "replica_time_source": results[0]["replica_time_source"],
+                "cpu_ms_per_update": _spread(r.get("cpu_ms_per_update") for r in results),
+                "cpu_ms_per_1000_examples": _spread(
+                    r.get("cpu_ms_per_1000_examples") for r in results
+                ),
+                "cpu_processes": results[0].get("cpu_processes"),
                 "replica_steps": [r.get("replica_steps") for r in results],
                 # The floor's: the ps' Adam step counter against its workers' loops.
                 "updates_applied": [r.get("updates_applied") for r in results],
@@ -1366,8 +1371,9 @@ def _cluster_section(results) -> list[str]:
         f"## Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief "
         "on localhost",
         "",
-        "| Contender | Replicas (devices) | examples/s | replica ms per update | mean staleness |",
-        "| --- | --- | --- | --- | --- |",
+        "| Contender | Replicas (devices) | examples/s | replica ms per update "
+        "| CPU ms per update | CPU ms per 1,000 examples | mean staleness |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         devices = row["devices"] or []
@@ -1375,10 +1381,12 @@ def _cluster_section(results) -> list[str]:
         lines.append(
             f"| {row['label']} | {len(devices)} ({', '.join(_short(d) for d in devices)}) "
             f"| {_cell(row['examples_per_second'])} | {_cell(row['replica_ms_per_update'], 2)} "
+            f"| {_cpu_cell(row, 'cpu_ms_per_update')} "
+            f"| {_cpu_cell(row, 'cpu_ms_per_1000_examples')} "
             f"| {_num(staleness, 2) if staleness is not None else '–'} |"
         )
     if not rows:
-        lines.append("| (not run) | | | | |")
+        lines.append("| (not run) | | | | | | |")
     kind = MODELS[plan["cluster_model"]]["description"]
     lines += ["", *_targets_table(results, CLUSTER_TARGETS), ""]
     floor = results.get("cluster_floor") or []
@@ -1433,10 +1441,27 @@ def _cluster_section(results) -> list[str]:
         "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
         "time over the steps times the workers (an even spread assumed); for the floor, "
         "which has no `fit`, the wall time of its timed window (epochs of the same "
-        "examples, each a call of every worker's loop) over a worker's updates.",
+        "examples, each a call of every worker's loop) over a worker's updates. CPU: "
+        "the user and system CPU time of every process the contender trains in (this "
+        "process and, on a cluster, each server's), read from `/proc` before and after the "
+        "timed window, over the updates applied in it (a ParameterServerStrategy step is "
+        "one update) and over the examples trained in it: what the work costs the host, "
+        "whichever process or core spends it, and steadier than examples/s on a shared "
+        "host.",
         "",
     ]
     return lines
+
+
+def _cpu_cell(row, key: str) -> str:
+    """A CPU figure with the processes it sums (`–` where none was read)."""
+    if row.get(key) is None or row[key].get("median") is None:
+        return "–"
+    return f"{_cell(row[key], 2)} ({_processes(row['cpu_processes'])})"
+
+
+def _processes(count: int) -> str:
+    return f"{count} process{'es' if count != 1 else ''}"
 
 
 def _fault_timeline_section(results) -> list[str]:
@@ -1594,6 +1619,12 @@ def cluster_summary(results: dict[str, Any]) -> list[str]:
         f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
         f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
         f"({row['replica_time_source']})"
+        + (
+            f"; {_num(row['cpu_ms_per_update']['median'], 2)} ms of CPU per update "
+            f"({_processes(row['cpu_processes'])})"
+            if row.get("cpu_ms_per_update", {}).get("median") is not None
+            else ""
+        )
         for row in results.get("cluster") or []
     ]
     floor = [

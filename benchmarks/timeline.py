@@ -31,7 +31,9 @@ __all__ = [
     "OTHERS",
     "Sampler",
     "FaultScript",
+    "cpu_per_work",
     "cpu_seconds",
+    "processes_cpu_seconds",
     "host_cpu_seconds",
     "bins",
     "state_changes",
@@ -53,6 +55,30 @@ def cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / _TICKS
     except (OSError, IndexError, ValueError):
         return None
+
+
+def processes_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """The CPU seconds the processes have used so far (every thread), or
+    None where one cannot be read (no `/proc`, a process gone)."""
+    readings = [cpu_seconds(pid) for pid in pids]
+    return None if any(r is None for r in readings) else sum(readings)
+
+
+def cpu_per_work(
+    start: float | None, end: float | None, processes: int, updates: int, examples: int
+) -> dict[str, float]:
+    """What a timed window cost the host: the CPU its processes used between
+    two readings of `processes_cpu_seconds`, per update and per 1,000
+    examples trained, whichever process or core spent it (empty where a
+    reading is missing or nothing was trained)."""
+    if start is None or end is None or not updates or not examples:
+        return {}
+    cpu = end - start
+    return {
+        "cpu_processes": processes,
+        "cpu_ms_per_update": 1000 * cpu / updates,
+        "cpu_ms_per_1000_examples": 1e6 * cpu / examples,
+    }
 
 
 def host_cpu_seconds() -> float | None:

@@ -62,7 +62,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from benchmarks import workloads  # noqa: E402  (imports no TensorFlow)
+from benchmarks import timeline, workloads  # noqa: E402  (import no TensorFlow)
 
 __all__ = ["RESULT_PREFIX", "run_session", "main"]
 
@@ -472,9 +472,16 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
 
         return floor.run_cluster(rt, task, seed)
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
+    pids = rt.process_ids()
+    cpu_start = timeline.processes_cpu_seconds(pids)
     out = _timed_fit(rt, model, x, y, task)
+    cpu_end = timeline.processes_cpu_seconds(pids)
     fit_seconds = out["first_epoch_seconds"] + sum(out["epoch_seconds"])
     steps = (out["epochs"] + 1) * _steps(x, task["batch_size"])
+    updates = sum(out["replica_steps"]) if out.get("replica_steps") else steps
+    out.update(
+        timeline.cpu_per_work(cpu_start, cpu_end, len(pids), updates, steps * task["batch_size"])
+    )
     if out.get("replica_steps"):
         per_replica = [fit_seconds / n for n in out["replica_steps"] if n]
         out["replica_ms_per_update"] = [1000 * s for s in per_replica]
@@ -497,8 +504,6 @@ def run_fault_timeline(rt, task: dict, seed: int) -> dict[str, Any]:
     at `restart_at`, and `timeline.Sampler` reads the strategy's counters
     every `sample_seconds`.
     """
-    from benchmarks import timeline
-
     local = rt.local_cluster
     if local is None:
         raise ValueError(

@@ -57,6 +57,39 @@ def test_cpu_cores_per_process_host_and_the_rest_of_the_host():
     assert cores[0][timeline.OTHERS] == pytest.approx(1.5 - 0.5 - 0.25)
 
 
+def test_cpu_of_a_window_sums_its_processes_per_update_and_per_example():
+    import os
+    import subprocess
+    import sys
+
+    # A child that spins for a moment of CPU, read with this process.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)",
+        ]
+    )
+    try:
+        pids = [os.getpid(), child.pid]
+        start = timeline.processes_cpu_seconds(pids)
+        time.sleep(1.0)
+        end = timeline.processes_cpu_seconds(pids)
+        assert end - start >= 0.25  # the child's spin, at the clock's ticks
+        work = timeline.cpu_per_work(start, end, len(pids), updates=10, examples=640)
+        assert work["cpu_processes"] == 2
+        assert work["cpu_ms_per_update"] == pytest.approx(100 * (end - start))
+        assert work["cpu_ms_per_1000_examples"] == pytest.approx(1e6 * (end - start) / 640)
+    finally:
+        child.kill()
+        child.wait()
+    # A process gone, or a window without work: nothing to report.
+    assert timeline.processes_cpu_seconds([os.getpid(), child.pid]) is None
+    assert timeline.cpu_per_work(None, 1.0, 2, 10, 640) == {}
+    assert timeline.cpu_per_work(0.0, 1.0, 2, 0, 0) == {}
+
+
 def test_summarize_reads_each_window_and_the_delays():
     # 3 replicas at 100 examples/s each; replica 2 stops at t=10 and starts again at 22.
     samples, done = [], [0, 0, 0]

@@ -165,9 +165,14 @@ def test_smoke_control_and_cluster(tmp_path):
         if key[0] in ("tf_diffmap_cluster", "floor_cluster"):
             assert all(d.startswith("/job:worker/") for d in cluster[key]["devices"])
             assert len(cluster[key]["devices"]) == workers
-    for row in cluster.values():
+    servers = workers + results["plan"]["cluster_ps"]
+    for (contender, _), row in cluster.items():
         assert row["examples_per_second"]["median"] > 0
         assert row["replica_ms_per_update"]["median"] > 0
+        # The CPU of this process, and of every server on a cluster.
+        assert row["cpu_processes"] == (1 if contender == "tf_diffmap" else 1 + servers)
+        assert row["cpu_ms_per_update"]["median"] > 0
+        assert row["cpu_ms_per_1000_examples"]["median"] > 0
     for size in (batch, batch * workers):
         # The floor's ps applied every update its workers' loops ran, warm-up included.
         floor = cluster[("floor_cluster", size)]
@@ -198,8 +203,10 @@ def test_smoke_control_and_cluster(tmp_path):
     markdown = (tmp_path / "results.md").read_text()
     assert "## Control path" in markdown and "## Cluster" in markdown
     assert "Against the floor" in markdown
+    assert f"({1 + servers} processes)" in markdown
     assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
     assert "cluster: bare TensorFlow loop (floor)" in proc.stderr
+    assert f"ms of CPU per update ({1 + servers} processes)" in proc.stderr
     assert "against the floor: Floor / tf_diffmap in one process" in proc.stderr
 
 
