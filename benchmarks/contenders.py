@@ -6,7 +6,9 @@ are made. Each contender gets the same devices (logical CPU devices, or GPUs
 with `device="gpu"`), the same model, the same data and the same global batch
 size. The cluster contenders start their own localhost cluster of worker
 and ps processes, which `Runtime.close` stops; one of them, the floor, is no
-strategy at all but a bare TensorFlow loop on that cluster (`benchmarks.floor`).
+strategy at all but a bare TensorFlow loop on that cluster (`benchmarks.floor`),
+as the control workload's floor is Keras' own loop feeding bare TensorFlow
+loops on the same devices as tf_diffmap's.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ CONTENDERS = {
         Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
         Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
         Contender("floor_cluster", "bare TensorFlow loop (floor), localhost cluster"),
+        Contender("floor_control", "bare TensorFlow loops (floor)"),
     )
 }
 
@@ -185,8 +188,8 @@ class Runtime:
 
     def _make_strategy(self):
         tf = self.tf
-        if self.name == "plain_keras":
-            return None
+        if self.name in ("plain_keras", "floor_control"):
+            return None  # the control floor is Keras' own loop (`benchmarks.floor`)
         if self.name == "tf_diffmap_cluster":
             from tf_diffmap import cluster
 

@@ -1,4 +1,9 @@
-"""The cluster workload's floor: a bare asynchronous parameter-server loop.
+"""Floors: the least what a workload measures costs in TensorFlow's own runtime.
+
+`QueueLoops` is the control workload's floor (see its docstring): Keras'
+`fit` whose step only queues shards, and bare loops that apply them. The
+rest of this module is the cluster workload's floor, a bare asynchronous
+parameter-server loop.
 
 What the least an asynchronous parameter-server loop costs in TensorFlow's own
 runtime, on the cluster workload's shape (workers, ps tasks and the chief as
@@ -36,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -44,7 +50,7 @@ import tensorflow as tf
 
 from benchmarks import timeline, workloads
 
-__all__ = ["HIDDEN_UNITS", "ParameterServerLoop", "run_cluster"]
+__all__ = ["HIDDEN_UNITS", "ParameterServerLoop", "QueueLoops", "run_cluster"]
 
 # The hidden layers of the MLPs of `workloads.MODELS` (ReLU; a softmax head).
 HIDDEN_UNITS = {"mlp": (256, 128), "mlp_wide": (256, 256)}
@@ -282,3 +288,171 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
             cpu_start, cpu_end, len(pids), workers * per_worker, workers * per_worker * shard
         ),
     }
+
+
+class QueueLoops:
+    """The control workload's floor: Keras' loop feeding bare replica loops.
+
+    The least an asynchronous step of the control workload's shape costs in
+    TensorFlow's runtime under Keras 3's own `fit`: `model` is a Keras model
+    whose train step only cuts its batch into one shard per device and puts
+    the shards on a `tf.queue.FIFOQueue` (one `enqueue_many`); one Python
+    thread per device calls a loop function whose `tf.while_loop`, on that
+    device, takes up to `steps_per_loop` shards and applies each as one SGD
+    update of a `Dense(1)`'s mean squared error, the parameters on the first
+    device (the host, where tf_diffmap's store is) and the gradient computed
+    on the loop's own device. A STOP item (`stop`) ends a loop; its shard of
+    zeros is applied with a learning rate of 0, so that the loop's body has
+    no conditional.
+
+    What it is not: no version counter, staleness or statistics, no count of
+    what is in flight, no outputs for Keras (the step returns a constant),
+    no first step, no failure handling, no loss metric.
+
+    Args:
+        keras: Keras 3.
+        devices: one device per replica loop; the parameters go on the first.
+        batch_size: the global batch, which the devices must share evenly
+            (every batch of the control workload is whole).
+        learning_rate: SGD's learning rate.
+        features: the inputs of the `Dense(1)`.
+        steps_per_loop: the most shards one loop call takes (tf_diffmap's K).
+        seed: seeds the initial kernel.
+
+    Raises:
+        ValueError: no device, or a batch the devices cannot share evenly.
+    """
+
+    def __init__(
+        self,
+        keras,
+        devices: list[str],
+        batch_size: int,
+        learning_rate: float,
+        features: int,
+        steps_per_loop: int = 32,
+        seed: int = 0,
+    ) -> None:
+        replicas = len(devices)
+        if not replicas or batch_size % replicas:
+            raise ValueError(
+                f"The control floor cuts a batch of {batch_size} into one shard per device "
+                f"({replicas} devices); give a batch size that is a multiple of the devices."
+            )
+        self.devices = list(devices)
+        self.steps_per_loop = steps_per_loop
+        shard = batch_size // replicas
+        limit = math.sqrt(6.0 / (features + 1))  # Glorot uniform, as Dense
+        kernel = np.random.default_rng(seed).uniform(-limit, limit, (features, 1))
+        with tf.device(self.devices[0]):
+            self.kernel = tf.Variable(kernel.astype("float32"))
+            self.bias = tf.Variable(np.zeros(1, "float32"))
+            self.queue = tf.queue.FIFOQueue(
+                2 * replicas,
+                [tf.bool, tf.float32, tf.float32],
+                shapes=[[], [shard, features], [shard, 1]],
+            )
+        self._stop_item = [tf.constant(True), tf.zeros([shard, features]), tf.zeros([shard, 1])]
+        self.model = _queuing_model(keras, self.queue, replicas, shard, features)
+        self._lr = float(learning_rate)
+        self._loops = [self._make_loop(device) for device in self.devices]
+        self._applied = [0] * replicas
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._run, args=(r,), name=f"floor-loop-{r}", daemon=True)
+            for r in range(replicas)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _make_loop(self, device: str):
+        host = self.devices[0]
+
+        def loop(max_steps):
+            def cond(taken, stopped):
+                return tf.logical_and(taken < max_steps, tf.logical_not(stopped))
+
+            def body(taken, stopped):
+                stop, x, y = self.queue.dequeue()
+                with tf.GradientTape() as tape:
+                    error = tf.matmul(x, self.kernel) + self.bias - y
+                    loss = tf.reduce_mean(tf.square(error))
+                kernel_gradient, bias_gradient = tape.gradient(loss, [self.kernel, self.bias])
+                lr = self._lr * (1.0 - tf.cast(stop, tf.float32))
+                with tf.device(host):
+                    applied = [
+                        self.kernel.assign_sub(lr * kernel_gradient, read_value=False),
+                        self.bias.assign_sub(lr * bias_gradient, read_value=False),
+                    ]
+                with tf.control_dependencies(applied):
+                    return taken + 1, tf.identity(stop)
+
+            return tf.while_loop(
+                cond, body, [tf.constant(0), tf.constant(False)], parallel_iterations=1
+            )
+
+        with tf.device(device):
+            return tf.function(loop, autograph=False).get_concrete_function(
+                tf.TensorSpec([], tf.int32)
+            )
+
+    def _run(self, replica: int) -> None:
+        steps = tf.constant(self.steps_per_loop)
+        try:
+            while True:
+                taken, stopped = self._loops[replica](steps)
+                stopped = bool(stopped)
+                self._applied[replica] += int(taken) - int(stopped)
+                if stopped:
+                    return
+        except BaseException as error:  # noqa: BLE001 - raised by `stop`
+            self._errors.append(error)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Ends every loop once the shards queued before are applied.
+
+        Returns:
+            The shards applied, by all loops (STOP items not counted).
+
+        Raises:
+            RuntimeError: a loop failed (its error chained) or did not end.
+        """
+        for _ in self._threads:
+            self.queue.enqueue(self._stop_item)
+        for thread in self._threads:
+            thread.join(timeout)
+        if self._errors:
+            raise RuntimeError("A loop of the control floor failed.") from self._errors[0]
+        if any(thread.is_alive() for thread in self._threads):
+            raise RuntimeError(f"A loop of the control floor did not end within {timeout} s.")
+        return sum(self._applied)
+
+
+def _queuing_model(keras, queue, replicas: int, shard: int, features: int):
+    """A Keras model whose train step only queues its batch as shards."""
+
+    class QueuingModel(keras.Model):
+        def __init__(self):
+            super().__init__()
+            # Keras builds and calls a model before training it; this layer's
+            # weights are never trained (the loops train their own).
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            queued = queue.enqueue_many(
+                [
+                    tf.zeros([replicas], tf.bool),
+                    tf.reshape(x, [replicas, shard, features]),
+                    tf.reshape(tf.cast(y, tf.float32), [replicas, shard, 1]),
+                ]
+            )
+            with tf.control_dependencies([queued]):
+                return {"shards": tf.constant(replicas)}
+
+    model = QueuingModel()
+    model.build((None, features))
+    return model

@@ -109,8 +109,10 @@ class Plan:
         high_staleness_batch_size: the global batch size there.
         high_staleness_drop_above: the bound of the "drop" rule there.
         control_contenders: the control workload's contenders: plain Keras on
-            one device against tf_diffmap on `control_replicas` devices.
-        control_replicas: tf_diffmap's replicas there.
+            one device against tf_diffmap on `control_replicas` devices, and
+            the floor on as many (`floor_control`: Keras' loop feeding bare
+            TensorFlow loops, `benchmarks.floor.QueueLoops`).
+        control_replicas: tf_diffmap's (and the floor's) replicas there.
         control_batch_size: the global batch size there (a shard of
             `control_batch_size / control_replicas` examples per update).
         control_learning_rate: SGD's learning rate there.
@@ -216,7 +218,7 @@ class Plan:
     high_staleness_epochs: int = 15
     high_staleness_batch_size: int = 256
     high_staleness_drop_above: int = 16
-    control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap")
+    control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap", "floor_control")
     control_replicas: int = 4
     control_batch_size: int = 16
     control_learning_rate: float = 0.01
@@ -495,6 +497,15 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
                 }
                 for k in plan.control_steps_per_loop
             ]
+        elif contender == "floor_control":
+            out.append(
+                {
+                    "contender": contender,
+                    "replicas": plan.control_replicas,
+                    "seed": plan.seed,
+                    "tasks": tasks,
+                }
+            )
     return out
 
 

@@ -165,6 +165,32 @@ CLUSTER_FLOOR = (
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
 
+# The control workload's ratios with its floor (`benchmarks.floor.QueueLoops`):
+# references, not targets. (key, description, numerator, denominator, the
+# target it caps and a short name for it, or None), each side a contender and
+# its rate: the floor's updates/s over plain Keras' steps/s is the most the
+# target beside it could read here if tf_diffmap cost no more than the floor.
+CONTROL_FLOOR = tuple(
+    row
+    for spe, target in ((16, "control_spe16"), (1, "control_spe1"))
+    for row in (
+        (
+            f"control_floor_vs_keras_spe{spe}",
+            f"Floor updates/s / plain Keras steps/s, steps_per_execution={spe}",
+            ("floor_control", spe, "updates_per_second"),
+            ("plain_keras", spe, "steps_per_second"),
+            (target, f"control, steps_per_execution={spe}"),
+        ),
+        (
+            f"control_vs_floor_spe{spe}",
+            f"tf_diffmap / the floor (updates/s), steps_per_execution={spe}",
+            ("tf_diffmap", spe, "updates_per_second"),
+            ("floor_control", spe, "updates_per_second"),
+            None,
+        ),
+    )
+)
+
 
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
@@ -566,6 +592,33 @@ def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
     ]
 
 
+def _control_floor(control) -> list[dict[str, Any]]:
+    """The ratios of `CONTROL_FLOOR`, with the target each caps (None: not run)."""
+
+    def rate(side):
+        contender, spe, field = side
+        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
+        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
+        return row[field]["median"] if row else None
+
+    targets = {key: (op, value) for key, _, op, value in TARGETS}
+    rows = []
+    for key, text, numerator, denominator, caps in CONTROL_FLOOR:
+        op, value = targets[caps[0]] if caps else (None, None)
+        rows.append(
+            {
+                "key": key,
+                "description": text,
+                "measured": _ratio(rate(numerator), rate(denominator)),
+                "caps": caps[0] if caps else None,
+                "caps_name": caps[1] if caps else None,
+                "caps_comparison": op,
+                "caps_target": value,
+            }
+        )
+    return rows
+
+
 def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
     """The ratios of `CLUSTER_FLOOR`, with the target each caps (None: not run)."""
     batches = {
@@ -932,6 +985,8 @@ def build(
     # Without the floor (not run for a model it does not know) there is no table.
     ran_floor = "cluster" in plan.workloads and "floor_cluster" in plan.cluster_contenders
     cluster_floor = _cluster_floor(cluster, plan) if ran_floor else []
+    ran_control_floor = "control" in plan.workloads and "floor_control" in plan.control_contenders
+    control_floor = _control_floor(control) if ran_control_floor else []
     fault_timeline = _fault_timeline(runs)
     targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
     if "control" in plan.workloads:
@@ -959,6 +1014,7 @@ def build(
         "high_staleness": _high_staleness(runs),
         "points": _points(runs),
         "control": control,
+        "control_floor": control_floor,
         "cluster": cluster,
         "cluster_floor": cluster_floor,
         "fault_timeline": fault_timeline,
@@ -1361,7 +1417,31 @@ def _control_section(results) -> list[str]:
         "timed window (both cores), over the updates applied in it.",
         "",
     ]
+    floor = results.get("control_floor") or []
+    if floor:
+        lines += [
+            "| Against the floor (a reference, not a target) | Measured | Caps the target |",
+            "| --- | --- | --- |",
+            *(f"| {r['description']} | {_ratio_text(r)} | {_caps_text(r)} |" for r in floor),
+            "",
+            "The floor (`benchmarks.floor.QueueLoops`) is the least an asynchronous step of "
+            "this shape costs in TensorFlow's own runtime under Keras' own `fit`: a Keras "
+            "model whose train step only cuts its batch into one shard per device and "
+            "queues them (one `enqueue_many`), and one bare `tf.while_loop` per device, on "
+            f"tf_diffmap's {plan['control_replicas']} devices, that takes up to 32 shards a "
+            "call and applies each as SGD on the `Dense(1)` beside the parameters (on the "
+            "first device, where tf_diffmap's store is). It has no version counter, no "
+            "staleness or statistics, no count of what is in flight, no outputs, no first "
+            "step and no failure handling. A ratio of the floor to plain Keras is what the "
+            "target beside it would read if tf_diffmap cost no more than the floor: below "
+            "the target, no asynchronous step of this shape meets it on this host.",
+            "",
+        ]
     return lines
+
+
+def _ratio_text(row) -> str:
+    return "n/a" if row["measured"] is None else f"{row['measured']:.2f}x"
 
 
 def _cluster_section(results) -> list[str]:
@@ -1396,9 +1476,8 @@ def _cluster_section(results) -> list[str]:
             "| Caps the target |",
             "| --- | --- | --- | --- |",
             *(
-                f"| {r['description']} | "
-                + ("n/a" if r["measured"] is None else f"{r['measured']:.2f}x")
-                + f" | {r['batch_sizes'][0]} / {r['batch_sizes'][1]} | {_caps_text(r)} |"
+                f"| {r['description']} | {_ratio_text(r)} "
+                f"| {r['batch_sizes'][0]} / {r['batch_sizes'][1]} | {_caps_text(r)} |"
                 for r in floor
             ),
             "",
@@ -1597,7 +1676,8 @@ def _short(device: str) -> str:
 
 
 def control_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: the control path's rates and its two targets."""
+    """Lines the suite prints: the control path's rates, its two targets, and
+    the ratios with the floor."""
     rows = results.get("control") or []
     lines = []
     for row in rows:
@@ -1609,7 +1689,8 @@ def control_summary(results: dict[str, Any]) -> list[str]:
             + f", steps_per_execution={row['steps_per_execution']}: "
             f"{_num(row['updates_per_second']['median'], 0)} {unit}"
         )
-    return lines + _target_lines(results, CONTROL_TARGETS)
+    floor = _floor_lines(results.get("control_floor"))
+    return lines + _target_lines(results, CONTROL_TARGETS) + floor
 
 
 def cluster_summary(results: dict[str, Any]) -> list[str]:
@@ -1627,13 +1708,17 @@ def cluster_summary(results: dict[str, Any]) -> list[str]:
         )
         for row in results.get("cluster") or []
     ]
-    floor = [
-        f"  against the floor: {r['description']}: "
-        + ("n/a" if r["measured"] is None else f"{r['measured']:.2f}x")
-        + (f"; caps {_caps_text(r, markdown=False)}" if r["caps"] else "")
-        for r in results.get("cluster_floor") or []
-    ]
+    floor = _floor_lines(results.get("cluster_floor"))
     return lines + _target_lines(results, CLUSTER_TARGETS) + floor
+
+
+def _floor_lines(rows) -> list[str]:
+    """The suite's lines for a workload's ratios with its floor."""
+    return [
+        f"  against the floor: {r['description']}: {_ratio_text(r)}"
+        + (f"; caps {_caps_text(r, markdown=False)}" if r["caps"] else "")
+        for r in rows or []
+    ]
 
 
 def _target_lines(results, keys) -> list[str]:

@@ -418,30 +418,52 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
 
     What is left is the control path: Keras' loop, the strategy's dispatch and
     the replicas' loops. Plain Keras applies one update per step; tf_diffmap
-    one per replica per step (a shard of `batch_size / replicas` examples).
+    one per replica per step (a shard of `batch_size / replicas` examples),
+    and so does the floor (`floor_control`: `benchmarks.floor.QueueLoops`,
+    Keras' loop feeding bare replica loops).
     """
     spe, batch_size = task["steps_per_execution"], task["batch_size"]
     examples = task["steps_per_epoch"] * batch_size
     x, y = workloads.control_data(examples, seed)
     rt.keras.utils.set_random_seed(seed)
-    with rt.scope():
-        model = workloads.build_control_model(rt.keras)
-        model.compile(
-            optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
-            loss="mse",
-            steps_per_execution=spe,
+    loops = None
+    if rt.name == "floor_control":
+        from benchmarks import floor
+
+        loops = floor.QueueLoops(
+            rt.keras,
+            rt.devices,
+            batch_size,
+            task["learning_rate"],
+            features=x.shape[1],
+            steps_per_loop=task.get("floor_steps_per_loop", 32),
+            seed=seed,
         )
-    warmup = _warm_up(rt, model, x, y, batch_size, steps=2 * spe)
-    cpu = time.process_time()
-    out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
-    cpu = time.process_time() - cpu
+        model = loops.model
+        model.compile(steps_per_execution=spe)
+    else:
+        with rt.scope():
+            model = workloads.build_control_model(rt.keras)
+            model.compile(
+                optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
+                loss="mse",
+                steps_per_execution=spe,
+            )
+    warmup_steps = 2 * spe
+    try:
+        warmup = _warm_up(rt, model, x, y, batch_size, steps=warmup_steps)
+        cpu = time.process_time()
+        out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
+        cpu = time.process_time() - cpu
+    finally:
+        applied = None if loops is None else loops.stop()
     steps_per_second = task["steps_per_epoch"] / out["median_epoch_seconds"]
-    updates_per_step = len(rt.devices) if rt.asynchronous else 1
+    updates_per_step = len(rt.devices) if rt.asynchronous or loops is not None else 1
     # The process's CPU over the window (its first epoch included) per update:
     # what an update costs the host, whatever the cores do meanwhile.
-    window_updates = (out["epochs"] + 1) * task["steps_per_epoch"] * updates_per_step
+    window_steps = (out["epochs"] + 1) * task["steps_per_epoch"]
     out.update(
-        cpu_us_per_update=1e6 * cpu / window_updates,
+        cpu_us_per_update=1e6 * cpu / (window_steps * updates_per_step),
         warmup_seconds=warmup,
         steps_per_second=steps_per_second,
         updates_per_step=updates_per_step,
@@ -450,9 +472,13 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
     )
     if out.get("replica_steps") is not None:
         # Every epoch of the window and the first one: what the replicas applied.
-        epochs = out["epochs"] + 1
         out["updates_counted"] = sum(out["replica_steps"])
-        out["updates_expected"] = epochs * task["steps_per_epoch"] * updates_per_step
+        out["updates_expected"] = window_steps * updates_per_step
+    elif applied is not None:
+        # The floor's loops, from their first shard (the warm-up's included).
+        out["updates_counted"] = applied
+        out["updates_expected"] = (warmup_steps + window_steps) * updates_per_step
+        out["floor_steps_per_loop"] = loops.steps_per_loop
     return out
 
 

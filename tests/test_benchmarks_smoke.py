@@ -141,13 +141,24 @@ def test_smoke_control_and_cluster(tmp_path):
         ("plain_keras", None, 1),
         ("tf_diffmap", 32, 16),
         ("tf_diffmap", 32, 1),
+        ("floor_control", None, 16),
+        ("floor_control", None, 1),
     }
     for row in results["control"]:
         assert row["updates_per_second"]["median"] > 0
         assert row["cpu_us_per_update"]["median"] > 0
-        if row["contender"] == "tf_diffmap":
+        if row["contender"] != "plain_keras":
+            # tf_diffmap's replicas and the floor's loops: one update per shard.
             assert row["updates_per_step"] == 4
             assert row["updates_counted"] == row["updates_expected"]
+    control_floor = {r["key"]: r for r in results["control_floor"]}
+    assert set(control_floor) == {
+        f"{name}_spe{spe}"
+        for name in ("control_floor_vs_keras", "control_vs_floor")
+        for spe in (16, 1)
+    }
+    assert all(r["measured"] > 0 for r in control_floor.values())
+    assert control_floor["control_floor_vs_keras_spe1"]["caps"] == "control_spe1"
 
     batch, workers = results["plan"]["cluster_batch_size"], results["plan"]["cluster_workers"]
     cluster = {(r["contender"], r["batch_size"]): r for r in results["cluster"]}
@@ -208,6 +219,8 @@ def test_smoke_control_and_cluster(tmp_path):
     assert "cluster: bare TensorFlow loop (floor)" in proc.stderr
     assert f"ms of CPU per update ({1 + servers} processes)" in proc.stderr
     assert "against the floor: Floor / tf_diffmap in one process" in proc.stderr
+    assert "against the floor: Floor updates/s / plain Keras steps/s" in proc.stderr
+    assert markdown.count("Against the floor") == 2  # the control workload's, the cluster's
 
 
 @pytest.mark.slow
@@ -282,3 +295,30 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     model = build_model(keras, "mlp_deep_bn")
     assert len(model.weights) == 50
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
+
+
+def test_control_floor_applies_every_shard_it_queued_as_sgd():
+    """The control workload's floor: Keras' loop queues shards, bare loops train on them."""
+    import keras
+    import tensorflow as tf
+
+    from benchmarks import floor, workloads
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    x, y = workloads.control_data(16 * 32, seed=1)
+    loops = floor.QueueLoops(keras, devices, 16, 0.05, features=8, steps_per_loop=4, seed=1)
+
+    def mse():
+        return float(tf.reduce_mean(tf.square(x @ loops.kernel + loops.bias - y)))
+
+    before = mse()
+    loops.model.compile(steps_per_execution=2)
+    try:
+        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
+    finally:
+        applied = loops.stop()
+    assert applied == 2 * 32 * len(devices)  # one update per shard, none lost
+    assert int(loops.queue.size()) == 0
+    assert mse() < 0.2 * before  # SGD on the shards: the linear target is learned
+    with pytest.raises(ValueError, match="multiple of the devices"):
+        floor.QueueLoops(keras, devices, 18, 0.05, features=8)

@@ -266,8 +266,13 @@ def test_tutorial_epoch_inside_a_tf_function(digits):
         train_loss = float(distributed_train_epoch(train_dist_dataset))
         assert int(tutorial.train_accuracy.count) == len(train_images)
         assert strategy.version == (epoch + 1) * per_epoch
+        # On a global batch's scale, as in the loop above (a loss summed or
+        # averaged wrongly over the 4 replicas would be 4 times off), with
+        # the same factor of 2 for asynchronous Adam's noise: an epoch's
+        # shards once averaged 0.266 where the model began the epoch at 0.184.
         loss_after = tutorial.mean_loss(train_images, train_labels)
-        assert 0.6 * loss_after < train_loss < 1.4 * loss_before
+        low, high = sorted([loss_before, loss_after])
+        assert 0.5 * low < train_loss < 2 * high, (loss_after, train_loss, loss_before)
         loss_before = loss_after
         tutorial.train_accuracy.reset_state()
     accuracy = np.mean(np.argmax(tutorial.model(test_images), axis=1) == test_labels)
