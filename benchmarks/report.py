@@ -592,6 +592,29 @@ def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
     ]
 
 
+def _floor_ratios(table, rate, extra=None) -> list[dict[str, Any]]:
+    """The ratios of a floor table (`CONTROL_FLOOR`, `CLUSTER_FLOOR`), each
+    with the target it caps; `rate(side)` reads one side (None: not run),
+    `extra(numerator, denominator)` adds keys of the workload's own."""
+    targets = {key: (op, value) for key, _, op, value in TARGETS}
+    rows = []
+    for key, text, numerator, denominator, caps in table:
+        op, value = targets[caps[0]] if caps else (None, None)
+        rows.append(
+            {
+                "key": key,
+                "description": text,
+                "measured": _ratio(rate(numerator), rate(denominator)),
+                **(extra(numerator, denominator) if extra else {}),
+                "caps": caps[0] if caps else None,
+                "caps_name": caps[1] if caps else None,
+                "caps_comparison": op,
+                "caps_target": value,
+            }
+        )
+    return rows
+
+
 def _control_floor(control) -> list[dict[str, Any]]:
     """The ratios of `CONTROL_FLOOR`, with the target each caps (None: not run)."""
 
@@ -601,22 +624,7 @@ def _control_floor(control) -> list[dict[str, Any]]:
         row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
         return row[field]["median"] if row else None
 
-    targets = {key: (op, value) for key, _, op, value in TARGETS}
-    rows = []
-    for key, text, numerator, denominator, caps in CONTROL_FLOOR:
-        op, value = targets[caps[0]] if caps else (None, None)
-        rows.append(
-            {
-                "key": key,
-                "description": text,
-                "measured": _ratio(rate(numerator), rate(denominator)),
-                "caps": caps[0] if caps else None,
-                "caps_name": caps[1] if caps else None,
-                "caps_comparison": op,
-                "caps_target": value,
-            }
-        )
-    return rows
+    return _floor_ratios(CONTROL_FLOOR, rate)
 
 
 def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
@@ -631,23 +639,13 @@ def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
         row = _find(cluster, contender=contender, batch_size=batches[batch])
         return row["examples_per_second"]["median"] if row else None
 
-    targets = {key: (op, value) for key, _, op, value in TARGETS}
-    rows = []
-    for key, text, numerator, denominator, caps in CLUSTER_FLOOR:
-        op, value = targets[caps[0]] if caps else (None, None)
-        rows.append(
-            {
-                "key": key,
-                "description": text,
-                "measured": _ratio(eps(numerator), eps(denominator)),
-                "batch_sizes": [batches[numerator[1]], batches[denominator[1]]],
-                "caps": caps[0] if caps else None,
-                "caps_name": caps[1] if caps else None,
-                "caps_comparison": op,
-                "caps_target": value,
-            }
-        )
-    return rows
+    return _floor_ratios(
+        CLUSTER_FLOOR,
+        eps,
+        lambda numerator, denominator: {
+            "batch_sizes": [batches[numerator[1]], batches[denominator[1]]]
+        },
+    )
 
 
 def _caps_text(row, markdown: bool = True) -> str:
