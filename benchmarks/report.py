@@ -1430,9 +1430,11 @@ def _control_section(results) -> list[str]:
             "call and applies each as SGD on the `Dense(1)` beside the parameters (on the "
             "first device, where tf_diffmap's store is). It has no version counter, no "
             "staleness or statistics, no count of what is in flight, no outputs, no first "
-            "step and no failure handling. A ratio of the floor to plain Keras is what the "
-            "target beside it would read if tf_diffmap cost no more than the floor: below "
-            "the target, no asynchronous step of this shape meets it on this host.",
+            "step, no failure handling, and no Keras in an update (a hand-written gradient "
+            "and two `assign_sub`, where a tf_diffmap update runs Keras' train step). A "
+            "ratio of the floor to plain Keras is what the target beside it would read if "
+            "tf_diffmap cost no more than the floor: below the target, no asynchronous step "
+            "of this shape meets it on this host.",
             "",
         ]
     return lines

@@ -436,7 +436,6 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
             batch_size,
             task["learning_rate"],
             features=x.shape[1],
-            steps_per_loop=task.get("floor_steps_per_loop", 32),
             seed=seed,
         )
         model = loops.model
