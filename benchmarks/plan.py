@@ -484,8 +484,12 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
     ]
     out = []
     for contender in plan.control_contenders:
-        if contender == "plain_keras":
-            out.append({"contender": contender, "replicas": 1, "seed": plan.seed, "tasks": tasks})
+        if contender in ("plain_keras", "floor_control"):
+            # Plain Keras on one device; the floor on tf_diffmap's devices.
+            replicas = 1 if contender == "plain_keras" else plan.control_replicas
+            out.append(
+                {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
+            )
         elif contender == "tf_diffmap":
             out += [
                 {
@@ -497,15 +501,6 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
                 }
                 for k in plan.control_steps_per_loop
             ]
-        elif contender == "floor_control":
-            out.append(
-                {
-                    "contender": contender,
-                    "replicas": plan.control_replicas,
-                    "seed": plan.seed,
-                    "tasks": tasks,
-                }
-            )
     return out
 
 
