@@ -355,6 +355,8 @@ class QueueLoops:
         self._stop_item = [tf.constant(True), tf.zeros([shard, features]), tf.zeros([shard, 1])]
         self.model = _queuing_model(keras, self.queue, replicas, shard, features)
         self._lr = float(learning_rate)
+        # Per loop device, the devices its forward and backward ops name.
+        self.gradient_devices: dict[str, set[str]] = {}
         self._loops = [self._make_loop(device) for device in self.devices]
         self._applied = [0] * replicas
         self._errors: list[BaseException] = []
@@ -374,12 +376,27 @@ class QueueLoops:
 
             def body(taken, stopped):
                 stop, x, y = self.queue.dequeue()
-                with tf.GradientTape() as tape:
-                    error = tf.matmul(x, self.kernel) + self.bias - y
-                    loss = tf.reduce_mean(tf.square(error))
-                kernel_gradient, bias_gradient = tape.gradient(loss, [self.kernel, self.bias])
-                lr = self._lr * (1.0 - tf.cast(stop, tf.float32))
+                # The gradient is computed on the loop's device, as a replica
+                # step is: named here, since the ops of a loop's body do not
+                # take the device that the function is traced under.
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
+                with tf.device(device):
+                    with tf.GradientTape() as tape:
+                        error = tf.matmul(x, self.kernel) + self.bias - y
+                        loss = tf.reduce_mean(tf.square(error))
+                    kernel_gradient, bias_gradient = tape.gradient(
+                        loss, [self.kernel, self.bias]
+                    )
+                self.gradient_devices[device] = {
+                    op.device
+                    for op in graph.get_operations()[first:]
+                    # Not the captured variables and their reads: those run beside them.
+                    if op.type != "Placeholder"
+                    and not any(t.dtype == tf.resource for t in op.inputs)
+                }
                 with tf.device(host):
+                    lr = self._lr * (1.0 - tf.cast(stop, tf.float32))
                     applied = [
                         self.kernel.assign_sub(lr * kernel_gradient, read_value=False),
                         self.bias.assign_sub(lr * bias_gradient, read_value=False),

@@ -320,5 +320,9 @@ def test_control_floor_applies_every_shard_it_queued_as_sgd():
     assert applied == 2 * 32 * len(devices)  # one update per shard, none lost
     assert int(loops.queue.size()) == 0
     assert mse() < 0.2 * before  # SGD on the shards: the linear target is learned
+    # Each loop computes its gradients on its own device, as a replica step.
+    assert loops.gradient_devices == {
+        device: {tf.DeviceSpec.from_string(device).to_string()} for device in devices
+    }
     with pytest.raises(ValueError, match="multiple of the devices"):
         floor.QueueLoops(keras, devices, 18, 0.05, features=8)
