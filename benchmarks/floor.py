@@ -385,9 +385,7 @@ class QueueLoops:
                     with tf.GradientTape() as tape:
                         error = tf.matmul(x, self.kernel) + self.bias - y
                         loss = tf.reduce_mean(tf.square(error))
-                    kernel_gradient, bias_gradient = tape.gradient(
-                        loss, [self.kernel, self.bias]
-                    )
+                    kernel_gradient, bias_gradient = tape.gradient(loss, [self.kernel, self.bias])
                 self.gradient_devices[device] = {
                     op.device
                     for op in graph.get_operations()[first:]
