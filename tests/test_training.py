@@ -245,6 +245,30 @@ def test_several_replicas_per_device(data):
     assert strategy.version == expected_updates(len(x), 60, 6, 1)
 
 
+def test_a_replica_alone_on_its_device_has_its_own_loop_function(data):
+    """One replica per device: a loop function each, the replica a constant of
+    it (only the shard count is an argument). Replicas that share a device
+    share one, the replica an argument. Either way every shard is one update
+    of the replica that took it."""
+    x, y = data
+    for kwargs, functions, arguments in (
+        ({}, 4, 1),
+        ({"devices": ["CPU:0", "CPU:1"], "replicas_per_device": 3}, 2, 2),
+    ):
+        strategy = tf_diffmap.Strategy(**kwargs)
+        with strategy.scope():
+            model = mlp()
+            compile_logits(model)
+        model.fit(x, y, batch_size=48, epochs=2, verbose=0)
+        replicas = strategy.num_replicas_in_sync
+        (program,) = strategy.extended._training_programs()
+        loops = list(program.loop_concretes.values())
+        assert len(loops) == functions
+        assert all(len(c.structured_input_signature[0]) == arguments for c in loops)
+        assert strategy.version == expected_updates(len(x), 48, replicas, 2)
+        assert sum(strategy.replica_steps()) == strategy.version
+
+
 def test_gradient_accumulation_is_refused_with_advice():
     strategy, model = async_mlp(lambda: keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     x, y = classification_data(64)

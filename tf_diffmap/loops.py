@@ -299,12 +299,29 @@ def loop_function(
             worker's input iterator).
 
     Returns:
-        `loop(replica_id, max_steps, *sources) -> (items taken, whether a
-        STOP ended it)`, to be traced as a `tf.function`.
+        `loop(replica, max_steps, *sources) -> (items taken, whether a STOP
+        ended it)`, to be traced as a `tf.function`. `replica` is the
+        replica's id: an int makes it a constant of the traced loop, so that
+        TensorFlow folds what is computed from it (its counters' cells) once,
+        when it optimizes the function, and the loop carries one value fewer;
+        an int32 scalar argument lets the replicas of one device share one
+        loop function.
     """
 
-    def loop(replica_id, max_steps, *sources):
-        claims_before, failed = start(replica_id)
+    def loop(replica, max_steps, *sources):
+        if isinstance(replica, int):
+
+            def replica_id():
+                # Made where it is used, not captured from outside: a
+                # constant there, not one more value a loop or branch carries.
+                return tf.constant(replica, tf.int32)
+
+        else:
+
+            def replica_id():
+                return replica
+
+        claims_before, failed = start(replica_id())
 
         # Each iteration takes one item, and a STOP ends the loop: at most
         # `max_steps` iterations take at most `max_steps` shards. The bound is
@@ -318,20 +335,23 @@ def loop_function(
             # by, and a STOP is passed by uncounted. A STOP's stamp is 0,
             # which its replica's cell of `holding` already reads.
             runs = tf.logical_not(tf.logical_or(stop, skip(item, failed)))
-            stamped = tf.where(stop, tf.constant(0, tf.int64), tf.cast(stamp(replica_id), tf.int64))
+            stamped = tf.where(
+                stop, tf.constant(0, tf.int64), tf.cast(stamp(replica_id()), tf.int64)
+            )
 
             def apply():
                 shard = fetch(item, *sources) if fetch is not None else item
-                after = apply_shard(replica_id, shard, claims)
+                after = apply_shard(replica_id(), shard, claims)
                 with tf.control_dependencies([after]):
-                    with tf.control_dependencies([channel.done(replica_id)]):
+                    with tf.control_dependencies([channel.done(replica_id())]):
                         return tf.identity(after)
 
             def pass_by():
-                with tf.control_dependencies([channel.pass_by(replica_id, tf.logical_not(stop))]):
+                passed = channel.pass_by(replica_id(), tf.logical_not(stop))
+                with tf.control_dependencies([passed]):
                     return tf.identity(claims)
 
-            with tf.control_dependencies([channel.hold(replica_id, stamped)]):
+            with tf.control_dependencies([channel.hold(replica_id(), stamped)]):
                 claims_after = tf.cond(runs, apply, pass_by)
             return taken + tf.cast(tf.logical_not(stop), tf.int32), stop, claims_after
 

@@ -329,8 +329,23 @@ class Program:
                 del token  # It only stands for the shard.
                 return [tf.convert_to_tensor(t) for t in tf.nest.flatten(iterator.get_next())]
 
+        # A replica alone on its device has a loop function of its own, its
+        # id a constant of it; replicas that share a device share one, their
+        # id an argument, so that tracing and graph memory do not grow with
+        # the replicas per device. `loop_concretes`: each function, under the
+        # first replica that runs it; `_loop_calls`: per replica, its
+        # function and the arguments that name the replica.
         self.loop_concretes = {}
-        for device in dict.fromkeys(extended.replica_devices):
+        self._loop_calls = {}
+        devices = extended.replica_devices
+        first_of = {}
+        for replica, device in enumerate(devices):
+            shared = devices.count(device) > 1
+            named = (tf.constant(replica, tf.int32),) if shared else ()
+            if shared and device in first_of:
+                self._loop_calls[replica] = (self.loop_concretes[first_of[device]], named)
+                continue
+            first_of[device] = replica
 
             def apply_shard(replica_id, shard, claims, device=device):
                 return self._run_replica_step(replica_id, shard, device, claims)[2]
@@ -338,18 +353,19 @@ class Program:
             loop = loop_function(
                 self.channel, apply_shard, self._skip, self._loop_start, self._stamp, fetch
             )
+            specs = [tf.TensorSpec([], tf.int32), *sources]
+            if shared:
+                specs.insert(0, tf.TensorSpec([], tf.int32))
+            else:
+                loop = functools.partial(loop, replica)
             with tf.device(device):
-                concrete = tf.function(loop, autograph=False).get_concrete_function(
-                    tf.TensorSpec([], tf.int32), tf.TensorSpec([], tf.int32), *sources
-                )
+                concrete = tf.function(loop, autograph=False).get_concrete_function(*specs)
+            self.loop_concretes[replica] = concrete
+            self._loop_calls[replica] = (concrete, named)
             # A first call (of no steps) prepares the function for running
-            # here, once, rather than in each replica's first loop call.
-            replica = extended.replica_devices.index(device)
+            # here, once, rather than in a replica's first loop call.
             if self.loops is None or self.loops.states()[replica] is not ReplicaState.LOST:
-                concrete(
-                    tf.constant(0, tf.int32), tf.constant(0, tf.int32), *self._sources(replica)
-                )
-            self.loop_concretes[device] = concrete
+                concrete(*named, tf.constant(0, tf.int32), *self._sources(replica))
 
     def follow_input(self) -> None:
         """Reads the latest distributed dataset's pipelines on the workers.
@@ -593,11 +609,9 @@ class Program:
 
     def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
         """One call of the replica's loop function (in its worker thread)."""
-        concrete = self.loop_concretes[self.extended.replica_devices[replica_id]]
+        concrete, named = self._loop_calls[replica_id]
         taken, stopped = concrete(
-            tf.constant(replica_id, tf.int32),
-            tf.constant(max_steps, tf.int32),
-            *self._sources(replica_id),
+            *named, tf.constant(max_steps, tf.int32), *self._sources(replica_id)
         )
         return int(taken), bool(stopped)
 
