@@ -19,7 +19,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from benchmarks.plan import CLUSTER_CONTENDERS
+from benchmarks.plan import CLUSTER_CONTENDERS, CONTROL_FLOORS
 
 __all__ = ["CONTENDERS", "Contender", "Runtime", "label"]
 
@@ -54,6 +54,7 @@ CONTENDERS = {
         Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
         Contender("floor_cluster", "bare TensorFlow loop (floor), localhost cluster"),
         Contender("floor_control", "bare TensorFlow loops (floor)"),
+        Contender("floor_keras_control", "bare TensorFlow loops of Keras' train step (floor)"),
     )
 }
 
@@ -188,8 +189,8 @@ class Runtime:
 
     def _make_strategy(self):
         tf = self.tf
-        if self.name in ("plain_keras", "floor_control"):
-            return None  # the control floor is Keras' own loop (`benchmarks.floor`)
+        if self.name in ("plain_keras", *CONTROL_FLOORS):
+            return None  # the control floors are Keras' own loop (`benchmarks.floor`)
         if self.name == "tf_diffmap_cluster":
             from tf_diffmap import cluster
 

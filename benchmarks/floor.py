@@ -1,7 +1,8 @@
 """Floors: the least what a workload measures costs in TensorFlow's own runtime.
 
 `QueueLoops` is the control workload's floor (see its docstring): Keras'
-`fit` whose step only queues shards, and bare loops that apply them. The
+`fit` whose step only queues shards, and bare loops that apply them (with a
+hand-written SGD update, or with Keras' own train step). The
 rest of this module is the cluster workload's floor, a bare asynchronous
 parameter-server loop.
 
@@ -309,6 +310,16 @@ class QueueLoops:
     what is in flight, no outputs for Keras (the step returns a constant),
     no first step, no failure handling, no loss metric.
 
+    With `keras_step`, each shard is applied by Keras' own train step
+    instead: a compiled `Dense(1)` (MSE, SGD, its loss metric), whose
+    `train_step` runs in the loop's body under the loop's device, as a
+    tf_diffmap replica step does, its variables on the first device. That
+    is an asynchronous loop around Keras' step with none of tf_diffmap's
+    bookkeeping: what the step itself costs in an update. Its STOP shard of
+    zeros is applied like any other (the loop has no conditional); it is
+    not counted. The loops share Keras' step counter without a lock, so
+    `iterations` may count fewer steps than were applied.
+
     Args:
         keras: Keras 3.
         devices: one device per replica loop; the parameters go on the first.
@@ -318,6 +329,8 @@ class QueueLoops:
         features: the inputs of the `Dense(1)`.
         steps_per_loop: the most shards one loop call takes (tf_diffmap's K).
         seed: seeds the initial kernel.
+        keras_step: apply each shard with Keras' train step rather than a
+            hand-written SGD update.
 
     Raises:
         ValueError: no device, or a batch the devices cannot share evenly.
@@ -332,6 +345,7 @@ class QueueLoops:
         features: int,
         steps_per_loop: int = 32,
         seed: int = 0,
+        keras_step: bool = False,
     ) -> None:
         replicas = len(devices)
         if not replicas or batch_size % replicas:
@@ -355,6 +369,11 @@ class QueueLoops:
         self._stop_item = [tf.constant(True), tf.zeros([shard, features]), tf.zeros([shard, 1])]
         self.model = _queuing_model(keras, self.queue, replicas, shard, features)
         self._lr = float(learning_rate)
+        self.stepping_model = (
+            _stepping_model(keras, self.devices[0], shard, features, learning_rate, seed)
+            if keras_step
+            else None
+        )
         # Per loop device, the devices its forward and backward ops name.
         self.gradient_devices: dict[str, set[str]] = {}
         self._loops = [self._make_loop(device) for device in self.devices]
@@ -381,18 +400,18 @@ class QueueLoops:
                 # take the device that the function is traced under.
                 graph = tf.compat.v1.get_default_graph()
                 first = len(graph.get_operations())
+                if self.stepping_model is not None:
+                    with tf.device(device):
+                        logs = self.stepping_model.train_step((x, y))
+                    self._record_placement(device, graph, first)
+                    with tf.control_dependencies(tf.nest.flatten(logs)):
+                        return taken + 1, tf.identity(stop)
                 with tf.device(device):
                     with tf.GradientTape() as tape:
                         error = tf.matmul(x, self.kernel) + self.bias - y
                         loss = tf.reduce_mean(tf.square(error))
                     kernel_gradient, bias_gradient = tape.gradient(loss, [self.kernel, self.bias])
-                self.gradient_devices[device] = {
-                    op.device
-                    for op in graph.get_operations()[first:]
-                    # Not the captured variables and their reads: those run beside them.
-                    if op.type != "Placeholder"
-                    and not any(t.dtype == tf.resource for t in op.inputs)
-                }
+                self._record_placement(device, graph, first)
                 with tf.device(host):
                     lr = self._lr * (1.0 - tf.cast(stop, tf.float32))
                     applied = [
@@ -410,6 +429,14 @@ class QueueLoops:
             return tf.function(loop, autograph=False).get_concrete_function(
                 tf.TensorSpec([], tf.int32)
             )
+
+    def _record_placement(self, device: str, graph, first: int) -> None:
+        self.gradient_devices[device] = {
+            op.device
+            for op in graph.get_operations()[first:]
+            # Not the captured variables and their reads: those run beside them.
+            if op.type != "Placeholder" and not any(t.dtype == tf.resource for t in op.inputs)
+        }
 
     def _run(self, replica: int) -> None:
         steps = tf.constant(self.steps_per_loop)
@@ -441,6 +468,24 @@ class QueueLoops:
         if any(thread.is_alive() for thread in self._threads):
             raise RuntimeError(f"A loop of the control floor did not end within {timeout} s.")
         return sum(self._applied)
+
+
+def _stepping_model(keras, device: str, shard: int, features: int, learning_rate: float, seed):
+    """The compiled `Dense(1)` whose train step the Keras-step floor runs.
+
+    One eager train step on a shard of zeros makes its variables (the loss
+    metric's among them) on `device`, before any loop is traced.
+    """
+    with tf.device(device):
+        model = keras.Sequential(
+            [
+                keras.Input((features,)),
+                keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed)),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+        model.train_step((tf.zeros([shard, features]), tf.zeros([shard, 1])))
+    return model
 
 
 def _queuing_model(keras, queue, replicas: int, shard: int, features: int):

@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
+    "CONTROL_FLOORS",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
@@ -35,6 +36,10 @@ WORKLOADS = (
     "fault_timeline",
     "high_staleness",
 )
+
+# The control workload's floors (`benchmarks.floor.QueueLoops`): bare loops
+# with a hand-written update, and bare loops of Keras' own train step.
+CONTROL_FLOORS = ("floor_control", "floor_keras_control")
 
 # Contenders that only the cluster workload runs (each brings its own cluster).
 CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server", "floor_cluster")
@@ -110,8 +115,10 @@ class Plan:
         high_staleness_drop_above: the bound of the "drop" rule there.
         control_contenders: the control workload's contenders: plain Keras on
             one device against tf_diffmap on `control_replicas` devices, and
-            the floor on as many (`floor_control`: Keras' loop feeding bare
-            TensorFlow loops, `benchmarks.floor.QueueLoops`).
+            the floors on as many (`floor_control`: Keras' loop feeding bare
+            TensorFlow loops, `benchmarks.floor.QueueLoops`;
+            `floor_keras_control`: the same loops applying each shard with
+            Keras' own train step).
         control_replicas: tf_diffmap's (and the floor's) replicas there.
         control_batch_size: the global batch size there (a shard of
             `control_batch_size / control_replicas` examples per update).
@@ -218,7 +225,12 @@ class Plan:
     high_staleness_epochs: int = 15
     high_staleness_batch_size: int = 256
     high_staleness_drop_above: int = 16
-    control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap", "floor_control")
+    control_contenders: tuple[str, ...] = (
+        "plain_keras",
+        "tf_diffmap",
+        "floor_control",
+        "floor_keras_control",
+    )
     control_replicas: int = 4
     control_batch_size: int = 16
     control_learning_rate: float = 0.01
@@ -484,8 +496,8 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
     ]
     out = []
     for contender in plan.control_contenders:
-        if contender in ("plain_keras", "floor_control"):
-            # Plain Keras on one device; the floor on tf_diffmap's devices.
+        if contender in ("plain_keras", *CONTROL_FLOORS):
+            # Plain Keras on one device; the floors on tf_diffmap's devices.
             replicas = 1 if contender == "plain_keras" else plan.control_replicas
             out.append(
                 {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}

@@ -419,15 +419,16 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
     What is left is the control path: Keras' loop, the strategy's dispatch and
     the replicas' loops. Plain Keras applies one update per step; tf_diffmap
     one per replica per step (a shard of `batch_size / replicas` examples),
-    and so does the floor (`floor_control`: `benchmarks.floor.QueueLoops`,
-    Keras' loop feeding bare replica loops).
+    and so do the floors (`floor_control`: `benchmarks.floor.QueueLoops`,
+    Keras' loop feeding bare replica loops; `floor_keras_control`: the same
+    loops, each shard applied by Keras' own train step).
     """
     spe, batch_size = task["steps_per_execution"], task["batch_size"]
     examples = task["steps_per_epoch"] * batch_size
     x, y = workloads.control_data(examples, seed)
     rt.keras.utils.set_random_seed(seed)
     loops = None
-    if rt.name == "floor_control":
+    if rt.name in ("floor_control", "floor_keras_control"):
         from benchmarks import floor
 
         loops = floor.QueueLoops(
@@ -437,6 +438,7 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
             task["learning_rate"],
             features=x.shape[1],
             seed=seed,
+            keras_step=rt.name == "floor_keras_control",
         )
         model = loops.model
         model.compile(steps_per_execution=spe)
