@@ -304,6 +304,20 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
 
 
+def _fit_applies_every_shard(loops, x, y) -> None:
+    """Two epochs of 32 steps of Keras' `fit` feed the floor's loops, which
+    apply every shard queued: one update per shard, none lost or left."""
+    from benchmarks import workloads
+
+    loops.model.compile(steps_per_execution=2)
+    try:
+        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
+    finally:
+        applied = loops.stop()
+    assert applied == 2 * 32 * len(loops.devices)
+    assert int(loops.queue.size()) == 0
+
+
 def test_control_floor_applies_every_shard_it_queued_as_sgd():
     """The control workload's floor: Keras' loop queues shards, bare loops train on them."""
     import keras
@@ -319,13 +333,7 @@ def test_control_floor_applies_every_shard_it_queued_as_sgd():
         return float(tf.reduce_mean(tf.square(x @ loops.kernel + loops.bias - y)))
 
     before = mse()
-    loops.model.compile(steps_per_execution=2)
-    try:
-        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
-    finally:
-        applied = loops.stop()
-    assert applied == 2 * 32 * len(devices)  # one update per shard, none lost
-    assert int(loops.queue.size()) == 0
+    _fit_applies_every_shard(loops, x, y)
     assert mse() < 0.2 * before  # SGD on the shards: the linear target is learned
     # Each loop computes its gradients on its own device, as a replica step.
     assert loops.gradient_devices == {
@@ -354,13 +362,7 @@ def test_keras_step_floor_runs_keras_train_step_on_every_shard():
 
     before = mse()
     steps_before = int(stepping.optimizer.iterations)
-    loops.model.compile(steps_per_execution=2)
-    try:
-        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
-    finally:
-        applied = loops.stop()
-    assert applied == 2 * 32 * len(devices)  # one update per shard, none lost
-    assert int(loops.queue.size()) == 0
+    _fit_applies_every_shard(loops, x, y)
     # Keras' own optimizer stepped (its counter is shared without a lock by
     # the loops, so it may count fewer) and trained the model on the shards.
     assert int(stepping.optimizer.iterations) > steps_before
