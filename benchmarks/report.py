@@ -176,14 +176,14 @@ DEFAULT_STEPS_PER_LOOP = 32
 CONTROL_FLOOR = tuple(
     row
     for spe, target in ((16, "control_spe16"), (1, "control_spe1"))
-    for floor, key, name in (
-        ("floor_control", "floor", "the floor"),
-        ("floor_keras_control", "keras_floor", "the Keras-step floor"),
+    for floor, key, title, name in (
+        ("floor_control", "floor", "Floor", "the floor"),
+        ("floor_keras_control", "keras_floor", "Keras-step floor", "the Keras-step floor"),
     )
     for row in (
         (
             f"control_{key}_vs_keras_spe{spe}",
-            f"{name[4:].capitalize()} updates/s / plain Keras steps/s, steps_per_execution={spe}",
+            f"{title} updates/s / plain Keras steps/s, steps_per_execution={spe}",
             (floor, spe, "updates_per_second"),
             ("plain_keras", spe, "steps_per_second"),
             (target, f"control, steps_per_execution={spe}"),

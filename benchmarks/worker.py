@@ -63,6 +63,7 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks import timeline, workloads  # noqa: E402  (import no TensorFlow)
+from benchmarks.plan import CONTROL_FLOORS  # noqa: E402
 
 __all__ = ["RESULT_PREFIX", "run_session", "main"]
 
@@ -428,7 +429,7 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
     x, y = workloads.control_data(examples, seed)
     rt.keras.utils.set_random_seed(seed)
     loops = None
-    if rt.name in ("floor_control", "floor_keras_control"):
+    if rt.name in CONTROL_FLOORS:
         from benchmarks import floor
 
         loops = floor.QueueLoops(

@@ -309,17 +309,10 @@ def loop_function(
     """
 
     def loop(replica, max_steps, *sources):
-        if isinstance(replica, int):
-
-            def replica_id():
-                # Made where it is used, not captured from outside: a
-                # constant there, not one more value a loop or branch carries.
-                return tf.constant(replica, tf.int32)
-
-        else:
-
-            def replica_id():
-                return replica
+        def replica_id():
+            # An int is made a constant where it is used, not captured from
+            # outside: not one more value a loop or a branch carries.
+            return tf.constant(replica, tf.int32) if isinstance(replica, int) else replica
 
         claims_before, failed = start(replica_id())
 
