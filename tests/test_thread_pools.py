@@ -14,6 +14,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.conftest import async_mlp, classification_data
 
@@ -122,8 +123,33 @@ def test_first_batch_of_each_epoch_reports_real_outputs():
     model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[FirstBatch()])
     assert len(seen) == 3
     for logs in seen:
-        # The first step after a drain runs in Keras' graph and returns its
-        # own metrics: a real loss, an accuracy of a real batch.
+        # The first step after a drain applies its first shard before it
+        # returns, and returns that step's metrics: a real loss, an
+        # accuracy of a real batch.
         assert logs["loss"] > 0.05 and np.isfinite(logs["loss"])
         assert 0.0 < logs["accuracy"] <= 1.0
     assert strategy.version == 3 * 4 * 4
+
+
+def test_an_ordinary_step_passes_no_tensor_of_its_batch_through_a_conditional():
+    x, y = classification_data(256)
+    strategy, model = async_mlp()
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+
+    @tf.function
+    def step(features, labels):
+        return strategy.run(model.train_step, args=((features, labels),))
+
+    graph = step.get_concrete_function(
+        tf.TensorSpec([64, 8], tf.float32), tf.TensorSpec([64], tf.int32)
+    ).graph
+    conditionals = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    # The first step's conditional, and the counter snapshots' one.
+    assert len(conditionals) >= 2
+    for op in conditionals:
+        # Each takes its predicate and variables only: a batch tensor
+        # through a conditional costs every step a `Switch` for it.
+        assert op.inputs[0].dtype == tf.bool
+        assert all(t.dtype == tf.resource for t in op.inputs[1:]), [
+            t.dtype for t in op.inputs[1:]
+        ]

@@ -194,6 +194,51 @@ def test_error_is_handed_over_as_raised_and_nothing_blocks():
     assert loops.threads() == []
 
 
+def test_a_first_replica_takes_one_item_in_the_calling_thread_before_the_threads():
+    runner, errors, loops = make(3)
+    ran = []
+
+    def task(replica):
+        ran.append((replica, threading.current_thread() is threading.main_thread()))
+
+    runner.submit([task] * 6)
+    loops.start(first=2)
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    # The first item ran on replica 2, here, before any thread took one.
+    assert ran[0] == (2, True)
+    assert all(not here for _, here in ran[1:]) and len(ran) == 6
+    assert not errors and runner.pending() == 0
+    assert loops.states() == [ReplicaState.STOPPED] * 3
+
+
+def test_an_error_of_the_first_replica_is_handled_as_a_threads_and_nothing_blocks():
+    runner, errors, loops = make(2)
+    released = []
+    release = runner.release
+
+    def record_release(replica_id, requeue):
+        released.append((replica_id, requeue))
+        return release(replica_id, requeue)
+
+    runner.release = record_release
+
+    class Boom(Exception):
+        pass
+
+    def bad(replica):
+        raise Boom("first shard failed")
+
+    runner.submit([bad] + [lambda r: None] * 5)
+    loops.start(first=1)  # returns: the error is handed over, not raised here
+    loops.wait_idle(failed=lambda: False)  # the others drop what is left
+    assert len(errors) == 1 and isinstance(errors[0], Boom)
+    assert released == [(1, False)]  # its item counted, not run again
+    assert runner.pending() == 0
+    loops.stop()
+    assert loops.threads() == []
+
+
 def test_a_base_exception_is_wrapped_with_its_cause():
     runner, errors, loops = make(1)
 

@@ -464,30 +464,42 @@ class Program:
     def dispatch_in_graph(self, args, kwargs):
         """An asynchronous step: queue the shards, return recent outputs.
 
-        The first step after a drain has no recent outputs to return, and no
-        replica loop runs: it applies its first shard right here in Keras'
-        graph (on the replica with the most steps, or under `max_staleness`
-        the fewest), starts the loops and queues the other shards. Every
-        later step only queues its shards and reads the latest outputs. No op
-        here waits for a replica (a full queue holds the enqueue back without
-        holding a thread).
+        Every step queues its shards and reads the latest outputs. The first
+        step after a drain has no recent outputs to return, and no replica
+        loop runs: before it reads them, it starts the loops, and first
+        applies one queued shard (on the replica with the most steps, or
+        under `max_staleness` the fewest) in the thread that starts them,
+        so that it returns a real step's outputs. The conditional between
+        the two ways takes no tensor of the batch, only the flag, so that an
+        ordinary step passes nothing through it. Tokens (input on the
+        workers) are not applied there: the first step starts the loops,
+        then queues its tokens, and reports the outputs from before the
+        drain. No op here waits for a replica (a full queue
+        holds the enqueue back without holding a thread).
+
+        With a single inter-op thread, the call that applies the first shard
+        would wait for the thread its own op holds: the first step then
+        applies its first shard in Keras' graph (`_first_step_call`).
         """
         leaves = tf.nest.flatten((args, kwargs))
         tensors = [tf.convert_to_tensor(leaves[i]) for i in self.tensor_positions]
+        fresh = self.fresh.read_value()
         if self.worker_input is not None:
-            # Tokens: the first step after a drain starts the loops, and
-            # every step reports the latest outputs (from before the drain
-            # for the first; the shards are read on the workers).
-            started = tf.cond(
-                self.fresh.read_value(),
-                lambda: tf.constant(True),
-                lambda: self._start_in_graph(),
-            )
+            started = tf.cond(fresh, lambda: tf.constant(True), self._start_in_graph)
             with tf.control_dependencies([started]):
                 flat = self._dispatch_in_graph(tensors)
+        elif self.extended.graph_may_wait():
+            with tf.control_dependencies([fresh]):
+                queued = self._put_batch(tensors)
+            with tf.control_dependencies([queued]):
+                started = tf.cond(
+                    fresh, lambda: tf.constant(True), lambda: self._start_in_graph(first=True)
+                )
+            with tf.control_dependencies([started]):
+                flat = [*(v.read_value() for v in self.output_variables), tf.constant(True)]
         else:
             flat = tf.cond(
-                self.fresh.read_value(),
+                fresh,
                 lambda: self._dispatch_in_graph(tensors),
                 lambda: self._first_step_call(
                     split_in_graph(tensors, len(self.extended.replica_devices))
@@ -556,9 +568,12 @@ class Program:
         runs, count = stack_in_graph(tensors, replicas, even=even)
         return self.channel.put_stacked(runs, count)
 
-    def _start_in_graph(self):
+    def _start_in_graph(self, first: bool = False):
+        """Starts the loops from Keras' graph; with `first`, a queued shard
+        is applied first, in the starting thread (`_start_loops`)."""
+        start = functools.partial(self._start_loops, first=first)
         with tf.control_dependencies([self.fresh.assign(True, read_value=False)]):
-            started = tf.py_function(self._start_loops, [], tf.bool, name="tf_diffmap_start_loops")
+            started = tf.py_function(start, [], tf.bool, name="tf_diffmap_start_loops")
         started.set_shape([])
         return started
 
@@ -573,11 +588,30 @@ class Program:
         self.extended._drain_from_graph()
         return True
 
-    def _start_loops(self):
+    def _start_loops(self, first: bool = False):
+        """Starts the loops (from Keras' graph, at the first step after a
+        drain); with `first`, one queued shard is applied before, in this
+        thread (see `dispatch_in_graph`)."""
         self.follow_input()
-        self.loops.start(on_idle=self.mark_idle)
         self.extended.faults.resume()
+        self.loops.start(on_idle=self.mark_idle, first=self._first_replica() if first else None)
         return True
+
+    def _first_replica(self) -> int | None:
+        """The replica that applies the first shard after a drain: the one
+        with the most steps (under `max_staleness` the fewest) of those not
+        lost; None when every replica is lost."""
+        states = self.loops.states()
+        steps = self.replica_steps()
+        live = [
+            r
+            for r, state in enumerate(states)
+            if state not in (ReplicaState.LOST, ReplicaState.REJOINING)
+        ]
+        if not live:
+            return None
+        pick = min if self.extended.max_staleness is not None else max
+        return pick(live, key=lambda r: steps[r])
 
     def mark_idle(self) -> bool:
         """After the loops stopped for want of shards: the next step is a

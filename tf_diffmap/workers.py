@@ -150,14 +150,33 @@ class ReplicaLoops:
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
-    def start(self, on_idle: Callable[[], bool] | None = None) -> None:
+    def start(
+        self, on_idle: Callable[[], bool] | None = None, first: int | None = None
+    ) -> None:
         """Starts every replica's thread that is not running.
 
         Args:
             on_idle: called after the loops stopped because no shard was put
                 or applied for `IDLE_SECONDS`; returns False when shards
                 arrived while they stopped, and the loops go on.
+            first: a replica that first takes one queued item in the
+                calling thread, before any thread starts (the first step
+                after a drain, whose outputs its caller returns). An error
+                of that call is handled as a thread's is: the item released,
+                the replica's next state from `on_error`.
         """
+        if first is not None and self.states()[first] not in (
+            ReplicaState.LOST,
+            ReplicaState.REJOINING,
+        ):
+            with self._lock:
+                self._move(first, ReplicaState.RUNNING)
+            try:
+                self.runner.run_loop(first, 1)
+            except BaseException as error:  # noqa: BLE001 - handed to the strategy
+                state = self._failed(first, error)
+                with self._lock:
+                    self._move(first, state)
         with self._lock:
             if on_idle is not None:
                 self._on_idle = on_idle
@@ -305,12 +324,7 @@ class ReplicaLoops:
             except BaseException as error:  # noqa: BLE001 - handed to the strategy
                 if failed:
                     raise  # The drop loop runs on the queue's host only.
-                if not isinstance(error, Exception):
-                    wrapped = WorkerError(f"replica {replica_id} stopped: {error!r}")
-                    wrapped.__cause__ = error
-                    error = wrapped
-                state = self._on_error(replica_id, error)
-                self.runner.release(replica_id, requeue=state is not ReplicaState.FAILED)
+                state = self._failed(replica_id, error)
                 with self._lock:
                     self._move(replica_id, state)
                     self._progress.notify_all()
@@ -326,6 +340,17 @@ class ReplicaLoops:
                     if self._threads.get(replica_id) is threading.current_thread():
                         del self._threads[replica_id]
                     return
+
+    def _failed(self, replica_id: int, error: BaseException) -> ReplicaState:
+        """A loop call of the replica raised: its next state (`on_error`),
+        once the item the call held is released."""
+        if not isinstance(error, Exception):
+            wrapped = WorkerError(f"replica {replica_id} stopped: {error!r}")
+            wrapped.__cause__ = error
+            error = wrapped
+        state = self._on_error(replica_id, error)
+        self.runner.release(replica_id, requeue=state is not ReplicaState.FAILED)
+        return state
 
     def _watch_idle(self) -> None:
         # Idle means that nothing moved: no shard put and none applied since
