@@ -150,6 +150,4 @@ def test_an_ordinary_step_passes_no_tensor_of_its_batch_through_a_conditional():
         # Each takes its predicate and variables only: a batch tensor
         # through a conditional costs every step a `Switch` for it.
         assert op.inputs[0].dtype == tf.bool
-        assert all(t.dtype == tf.resource for t in op.inputs[1:]), [
-            t.dtype for t in op.inputs[1:]
-        ]
+        assert all(t.dtype == tf.resource for t in op.inputs[1:]), [t.dtype for t in op.inputs[1:]]

@@ -150,9 +150,7 @@ class ReplicaLoops:
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
-    def start(
-        self, on_idle: Callable[[], bool] | None = None, first: int | None = None
-    ) -> None:
+    def start(self, on_idle: Callable[[], bool] | None = None, first: int | None = None) -> None:
         """Starts every replica's thread that is not running.
 
         Args:
