@@ -202,7 +202,8 @@ def test_a_first_replica_takes_one_item_in_the_calling_thread_before_the_threads
         ran.append((replica, threading.current_thread() is threading.main_thread()))
 
     runner.submit([task] * 6)
-    loops.start(first=2)
+    runner.steps = [1, 0, 4]  # the replica with the most steps goes first
+    loops.start(first=True)
     loops.wait_idle(failed=lambda: bool(errors))
     loops.stop()
     # The first item ran on replica 2, here, before any thread took one.
@@ -210,6 +211,17 @@ def test_a_first_replica_takes_one_item_in_the_calling_thread_before_the_threads
     assert all(not here for _, here in ran[1:]) and len(ran) == 6
     assert not errors and runner.pending() == 0
     assert loops.states() == [ReplicaState.STOPPED] * 3
+
+
+def test_under_max_staleness_the_first_item_goes_to_the_slowest_live_replica():
+    runner, errors, loops = make(3, max_staleness=4)
+    ran = []
+    runner.submit([lambda r: ran.append(r)] * 3)
+    runner.steps = [3, 1, 2]
+    loops.start(first=True)
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    assert ran[0] == 1 and not errors
 
 
 def test_an_error_of_the_first_replica_is_handled_as_a_threads_and_nothing_blocks():
@@ -230,7 +242,8 @@ def test_an_error_of_the_first_replica_is_handled_as_a_threads_and_nothing_block
         raise Boom("first shard failed")
 
     runner.submit([bad] + [lambda r: None] * 5)
-    loops.start(first=1)  # returns: the error is handed over, not raised here
+    runner.steps = [0, 2]
+    loops.start(first=True)  # returns: the error is handed over, not raised here
     loops.wait_idle(failed=lambda: False)  # the others drop what is left
     assert len(errors) == 1 and isinstance(errors[0], Boom)
     assert released == [(1, False)]  # its item counted, not run again

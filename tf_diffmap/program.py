@@ -496,7 +496,7 @@ class Program:
                     fresh, lambda: tf.constant(True), lambda: self._start_in_graph(first=True)
                 )
             with tf.control_dependencies([started]):
-                flat = [*(v.read_value() for v in self.output_variables), tf.constant(True)]
+                flat = self._latest_outputs()
         else:
             flat = tf.cond(
                 fresh,
@@ -580,7 +580,11 @@ class Program:
     def _dispatch_in_graph(self, tensors):
         queued = self._put_batch(tensors)
         with tf.control_dependencies([queued]):
-            return [*(v.read_value() for v in self.output_variables), tf.constant(True)]
+            return self._latest_outputs()
+
+    def _latest_outputs(self):
+        """The most recently finished replica step's outputs, and a flag."""
+        return [*(v.read_value() for v in self.output_variables), tf.constant(True)]
 
     # -- from Python ----------------------------------------------------------
 
@@ -594,24 +598,8 @@ class Program:
         thread (see `dispatch_in_graph`)."""
         self.follow_input()
         self.extended.faults.resume()
-        self.loops.start(on_idle=self.mark_idle, first=self._first_replica() if first else None)
+        self.loops.start(on_idle=self.mark_idle, first=first)
         return True
-
-    def _first_replica(self) -> int | None:
-        """The replica that applies the first shard after a drain: the one
-        with the most steps (under `max_staleness` the fewest) of those not
-        lost; None when every replica is lost."""
-        states = self.loops.states()
-        steps = self.replica_steps()
-        live = [
-            r
-            for r, state in enumerate(states)
-            if state not in (ReplicaState.LOST, ReplicaState.REJOINING)
-        ]
-        if not live:
-            return None
-        pick = min if self.extended.max_staleness is not None else max
-        return pick(live, key=lambda r: steps[r])
 
     def mark_idle(self) -> bool:
         """After the loops stopped for want of shards: the next step is a

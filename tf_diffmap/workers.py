@@ -76,6 +76,9 @@ _MOVES = {
     (ReplicaState.REJOINING, ReplicaState.STOPPED),
 }
 
+# Replicas with no thread of their own until their worker serves again.
+_GONE = (ReplicaState.LOST, ReplicaState.REJOINING)
+
 
 class LoopRunner(Protocol):
     """What `ReplicaLoops` drives: one program's queue and loop functions."""
@@ -150,31 +153,31 @@ class ReplicaLoops:
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
-    def start(self, on_idle: Callable[[], bool] | None = None, first: int | None = None) -> None:
+    def start(self, on_idle: Callable[[], bool] | None = None, first: bool = False) -> None:
         """Starts every replica's thread that is not running.
 
         Args:
             on_idle: called after the loops stopped because no shard was put
                 or applied for `IDLE_SECONDS`; returns False when shards
                 arrived while they stopped, and the loops go on.
-            first: a replica that first takes one queued item in the
-                calling thread, before any thread starts (the first step
-                after a drain, whose outputs its caller returns). An error
-                of that call is handled as a thread's is: the item released,
+            first: before any thread starts, one replica takes one queued
+                item in the calling thread (the first step after a drain,
+                whose outputs its caller returns): of the replicas not lost,
+                the one with the most steps, which is not a straggler, or
+                under `max_staleness` the one with the fewest. An error of
+                that call is handled as a thread's is: the item released,
                 the replica's next state from `on_error`.
         """
-        if first is not None and self.states()[first] not in (
-            ReplicaState.LOST,
-            ReplicaState.REJOINING,
-        ):
+        replica_id = self._first_replica() if first else None
+        if replica_id is not None:
             with self._lock:
-                self._move(first, ReplicaState.RUNNING)
+                self._move(replica_id, ReplicaState.RUNNING)
             try:
-                self.runner.run_loop(first, 1)
+                self.runner.run_loop(replica_id, 1)
             except BaseException as error:  # noqa: BLE001 - handed to the strategy
-                state = self._failed(first, error)
+                state = self._failed(replica_id, error)
                 with self._lock:
-                    self._move(first, state)
+                    self._move(replica_id, state)
         with self._lock:
             if on_idle is not None:
                 self._on_idle = on_idle
@@ -282,14 +285,24 @@ class ReplicaLoops:
 
     # -- the threads ----------------------------------------------------------
 
+    def _first_replica(self) -> int | None:
+        """The replica that takes the first item after a drain (`start`);
+        None when every replica is lost."""
+        steps = self.runner.replica_steps()
+        with self._lock:
+            live = [r for r, state in enumerate(self._states) if state not in _GONE]
+        if not live:
+            return None
+        pick = min if self.max_staleness is not None else max
+        return pick(live, key=lambda r: steps[r])
+
     def _allowed_steps(self, replica_id: int) -> int:
         """Shards this replica may take now (0: held back)."""
         if self.max_staleness is None:
             return self.steps_per_loop
         steps = self.runner.replica_steps()
         with self._lock:
-            gone = (ReplicaState.LOST, ReplicaState.REJOINING)
-            live = [s for s, state in zip(steps, self._states) if state not in gone]
+            live = [s for s, state in zip(steps, self._states) if state not in _GONE]
         # One at a time: the bound is checked again before every step.
         return 1 if steps[replica_id] - min(live or steps) <= self.max_staleness else 0
 
