@@ -228,10 +228,12 @@ def test_mixed_precision_keeps_updates_exact(policy, wrapped):
     np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -LR * updates, "float32"))
 
 
-@pytest.mark.parametrize("bound", [0, 2])
-def test_bounded_staleness_is_never_exceeded(bound):
+@pytest.mark.parametrize(
+    "bound, colocate", [(0, True), (2, True), (2, False)], ids=["0", "2", "2_own_devices"]
+)
+def test_bounded_staleness_is_never_exceeded(bound, colocate):
     x, y = classification_data(1024)
-    strategy = tf_diffmap.Strategy(max_staleness=bound)
+    strategy = tf_diffmap.Strategy(max_staleness=bound, colocate_cpu_replicas=colocate)
     spreads = []
 
     class Spread(keras.callbacks.Callback):

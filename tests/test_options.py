@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tf_diffmap
+from tf_diffmap.devices import compute_device
 from tests.conftest import async_mlp, classification_data, compile_logits, mlp
 
 
@@ -13,6 +14,20 @@ def test_defaults_use_every_logical_cpu_device():
     assert len(strategy.replica_devices) == 4
     assert strategy.num_replicas_in_sync == 4
     assert strategy.parameter_devices == ("/device:CPU:0",)
+
+
+def test_cpu_replicas_compute_on_their_tasks_cpu0():
+    """Logical CPU devices share their task's memory and threads: a replica on
+    one computes on the task's CPU:0; a GPU replica computes on its GPU."""
+    assert compute_device("/device:CPU:3") == "/device:CPU:0"
+    worker = "/job:worker/replica:0/task:1/device:CPU:2"
+    assert compute_device(worker) == "/job:worker/replica:0/task:1/device:CPU:0"
+    assert compute_device("/device:GPU:1") == "/device:GPU:1"
+    strategy = tf_diffmap.Strategy()
+    assert len(set(strategy.replica_devices)) == 4
+    assert strategy.extended.compute_devices == ["/device:CPU:0"] * 4
+    apart = tf_diffmap.Strategy(colocate_cpu_replicas=False)
+    assert apart.extended.compute_devices == list(apart.replica_devices)
 
 
 @pytest.mark.parametrize(
@@ -27,6 +42,7 @@ def test_defaults_use_every_logical_cpu_device():
         ({"replicas_per_device": 0}, "replicas_per_device must be an int >= 1, received 0"),
         ({"max_staleness": -1}, "max_staleness must be None .* received -1"),
         ({"queue_size": 2}, "at least one shard per replica"),
+        ({"colocate_cpu_replicas": "yes"}, "colocate_cpu_replicas must be True or False"),
     ],
 )
 def test_bad_options_raise_value_error(kwargs, message):

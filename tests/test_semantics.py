@@ -38,8 +38,9 @@ class ScalarLossStep(keras.Model):
         return {"loss": loss}
 
 
-def test_no_update_is_lost_with_eight_contending_replicas():
-    strategy = tf_diffmap.Strategy(replicas_per_device=2)
+@pytest.mark.parametrize("colocate", [True, False], ids=["on_cpu0", "own_devices"])
+def test_no_update_is_lost_with_eight_contending_replicas(colocate):
+    strategy = tf_diffmap.Strategy(replicas_per_device=2, colocate_cpu_replicas=colocate)
     assert strategy.num_replicas_in_sync == 8
     with strategy.scope():
         model = constant_gradient_model()

@@ -245,28 +245,67 @@ def test_several_replicas_per_device(data):
     assert strategy.version == expected_updates(len(x), 60, 6, 1)
 
 
-def test_a_replica_alone_on_its_device_has_its_own_loop_function(data):
-    """One replica per device: a loop function each, the replica a constant of
-    it (only the shard count is an argument). Replicas that share a device
-    share one, the replica an argument. Either way every shard is one update
-    of the replica that took it."""
+def _placed_on(concrete) -> set[str]:
+    """The devices the ops of a traced function (and of the functions it
+    calls) name."""
+    graph_def = concrete.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return {_device_name(n.device) for n in nodes if n.device}
+
+
+def _device_name(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type}:{spec.device_index}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, functions, arguments, devices",
+    [
+        # Four replicas on logical CPU devices compute on CPU:0: one loop
+        # function for all, the replica an argument of it.
+        ({}, 1, 2, 1),
+        # Each on its own device, as GPU replicas are: a loop function each,
+        # the replica a constant of it.
+        ({"colocate_cpu_replicas": False}, 4, 1, 4),
+        (
+            {
+                "colocate_cpu_replicas": False,
+                "devices": ["CPU:0", "CPU:1"],
+                "replicas_per_device": 3,
+            },
+            2,
+            2,
+            2,
+        ),
+    ],
+    ids=["cpu_replicas_on_cpu0", "own_devices", "own_devices_shared"],
+)
+def test_loop_functions_follow_the_devices_replicas_compute_on(
+    kwargs, functions, arguments, devices, data
+):
+    """A loop function per device replicas compute on; replicas that share
+    one share it, the replica an argument. The replicas stay distinct (ids,
+    devices, counts): every shard is one update of the replica that took it."""
     x, y = data
-    for kwargs, functions, arguments in (
-        ({}, 4, 1),
-        ({"devices": ["CPU:0", "CPU:1"], "replicas_per_device": 3}, 2, 2),
-    ):
-        strategy = tf_diffmap.Strategy(**kwargs)
-        with strategy.scope():
-            model = mlp()
-            compile_logits(model)
-        model.fit(x, y, batch_size=48, epochs=2, verbose=0)
-        replicas = strategy.num_replicas_in_sync
-        (program,) = strategy.extended._training_programs()
-        loops = list(program.loop_concretes.values())
-        assert len(loops) == functions
-        assert all(len(c.structured_input_signature[0]) == arguments for c in loops)
-        assert strategy.version == expected_updates(len(x), 48, replicas, 2)
-        assert sum(strategy.replica_steps()) == strategy.version
+    strategy = tf_diffmap.Strategy(**kwargs)
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model)
+    model.fit(x, y, batch_size=48, epochs=2, verbose=0)
+    replicas = strategy.num_replicas_in_sync
+    assert len(set(strategy.replica_devices)) == len(kwargs.get("devices", "0123"))
+    (program,) = strategy.extended._training_programs()
+    loops = list(program.loop_concretes.values())
+    assert len(loops) == functions
+    assert all(len(c.structured_input_signature[0]) == arguments for c in loops)
+    placed = set().union(*(_placed_on(c) for c in loops))
+    assert len(placed) == devices
+    assert placed <= {_device_name(d) for d in strategy.replica_devices}
+    assert strategy.version == expected_updates(len(x), 48, replicas, 2)
+    assert sum(strategy.replica_steps()) == strategy.version
+    assert all(steps > 0 for steps in strategy.replica_steps())
 
 
 def test_gradient_accumulation_is_refused_with_advice():
@@ -305,18 +344,27 @@ def test_custom_training_loop_with_strategy_run(data):
 
 
 @pytest.mark.parametrize(
-    "steps_per_loop, batch, n, steps_per_execution",
-    [(1, 32, 512, 1), (3, 30, 500, 1), (32, 64, 514, 4), (32, 16, 258, 16)],
+    "steps_per_loop, batch, n, steps_per_execution, colocate",
+    [
+        (1, 32, 512, 1, True),
+        (3, 30, 500, 1, True),
+        (32, 64, 514, 4, True),
+        (32, 16, 258, 16, True),
+        (3, 30, 500, 1, False),
+        (32, 16, 258, 16, False),
+    ],
 )
 def test_replica_loops_apply_exactly_one_update_per_shard(
-    steps_per_loop, batch, n, steps_per_execution
+    steps_per_loop, batch, n, steps_per_execution, colocate
 ):
-    """Loops of K shards, odd batch sizes, a last batch smaller than the replicas."""
+    """Loops of K shards, odd batch sizes, a last batch smaller than the
+    replicas; replicas on CPU:0 and each on its own device (as on GPUs)."""
     x, y = classification_data(n)
     strategy, model = async_mlp(
         "sgd",
         compile_kwargs={"steps_per_execution": steps_per_execution},
         steps_per_loop=steps_per_loop,
+        colocate_cpu_replicas=colocate,
     )
     model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     updates = expected_updates(n, batch, 4, 2)

@@ -19,6 +19,7 @@ __all__ = [
     "default_replica_devices",
     "warn_if_one_replica",
     "inter_op_threads",
+    "compute_device",
     "resolve_devices",
 ]
 
@@ -161,6 +162,24 @@ def local_cpu() -> str:
 def host_cpu(device: str) -> str:
     """The CPU of the task that owns `device`."""
     return tf.DeviceSpec.from_string(device).replace(device_type="CPU", device_index=0).to_string()
+
+
+def compute_device(device: str) -> str:
+    """Where a replica on `device` runs its ops.
+
+    The logical CPU devices of one task share its memory and its threads
+    (TensorFlow's CPU devices compute on one process-wide pool): an op on
+    CPU:2 runs on the cores it would run on as an op on CPU:0, and only
+    adds, for every tensor that crosses between the two, a send and a
+    receive between two partitions of the graph, each run by an executor of
+    its own. A replica on a CPU therefore runs its ops on its task's CPU:0,
+    beside the queue, the counters and (by default) the parameter store;
+    its id, its loop, its shards and its figures stay its own. A replica on
+    any other device (a GPU) runs its ops there.
+    """
+    if tf.DeviceSpec.from_string(device).device_type == "CPU":
+        return host_cpu(device)
+    return device
 
 
 def task_of(device: str) -> tuple[str, int, int]:

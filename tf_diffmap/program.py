@@ -1,10 +1,11 @@
 """A traced replica step and how it is fed: dispatch, shards, outputs.
 
-`Program` traces the function Keras hands to `strategy.run` once per replica
-device, in a helper thread, and builds what Keras' graph runs: for a training
-step native ops that queue one shard per replica for the replicas' loops
-(`tf_diffmap.loops`) and return recent outputs; for any other step a
-synchronous call on the first replica device.
+`Program` traces the function Keras hands to `strategy.run` once per device
+that replicas compute on (`devices.compute_device`), in a helper thread, and
+builds what Keras' graph runs: for a training step native ops that queue one
+shard per replica for the replicas' loops (`tf_diffmap.loops`) and return
+recent outputs; for any other step a synchronous call on the first replica's
+device.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class Program:
                 install_summary_state()
                 keras.config.set_dtype_policy(dtype_policy)
                 with strategy.scope():
-                    for device in dict.fromkeys(extended.replica_devices):
+                    for device in dict.fromkeys(extended.compute_devices):
                         function = tf.function(make_replica_step(device), autograph=False)
                         self.concretes[device] = function.get_concrete_function(
                             tf.TensorSpec([], tf.int32), *self.specs
@@ -239,7 +240,7 @@ class Program:
                     "model.compile(optimizer=keras.optimizers.SGD(...), ...)`."
                 ) from error
             raise error
-        self.concrete = self.concretes[extended.replica_devices[0]]
+        self.concrete = self.concretes[extended.compute_devices[0]]
         self.trains = result["trains"]
         if self.trains:
             self.loops = ReplicaLoops(
@@ -252,7 +253,7 @@ class Program:
             )
 
     def _output_specs(self):
-        outputs, _ = self.concretes[self.extended.replica_devices[0]].structured_outputs
+        outputs, _ = self.concretes[self.extended.compute_devices[0]].structured_outputs
         out_leaves = tf.nest.flatten(outputs)
         positions = [i for i, o in enumerate(out_leaves) if isinstance(o, tf.Tensor)]
         return outputs, out_leaves, positions
@@ -329,15 +330,15 @@ class Program:
                 del token  # It only stands for the shard.
                 return [tf.convert_to_tensor(t) for t in tf.nest.flatten(iterator.get_next())]
 
-        # A replica alone on its device has a loop function of its own, its
-        # id a constant of it; replicas that share a device share one, their
-        # id an argument, so that tracing and graph memory do not grow with
-        # the replicas per device. `loop_concretes`: each function, under the
+        # A replica alone on the device it computes on has a loop function
+        # of its own, its id a constant of it; replicas that share one (all
+        # the CPU replicas of a host) share one, their id an argument, so
+        # that tracing and graph memory do not grow with the replicas. `loop_concretes`: each function, under the
         # first replica that runs it; `_loop_calls`: per replica, its
         # function and the arguments that name the replica.
         self.loop_concretes = {}
         self._loop_calls = {}
-        devices = extended.replica_devices
+        devices = extended.compute_devices
         first_of = {}
         for replica, device in enumerate(devices):
             shared = devices.count(device) > 1
@@ -434,10 +435,10 @@ class Program:
             return tf.gather(self.extended._store.steps(), replica_id) + 1
 
     def _call_step(self, replica_id, shard):
-        devices = list(dict.fromkeys(self.extended.replica_devices))
+        devices = list(dict.fromkeys(self.extended.compute_devices))
         if len(devices) == 1:
             return self.concretes[devices[0]](replica_id, *shard)
-        device_of = tf.constant([devices.index(d) for d in self.extended.replica_devices], tf.int32)
+        device_of = tf.constant([devices.index(d) for d in self.extended.compute_devices], tf.int32)
         branches = [
             functools.partial(lambda c: c(replica_id, *shard), self.concretes[d]) for d in devices
         ]
