@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import tf_diffmap
-from tf_diffmap.devices import compute_device
 from tests.conftest import async_mlp, classification_data, compile_logits, mlp
+from tf_diffmap.devices import compute_device
 
 
 def test_defaults_use_every_logical_cpu_device():

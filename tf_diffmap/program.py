@@ -333,9 +333,10 @@ class Program:
         # A replica alone on the device it computes on has a loop function
         # of its own, its id a constant of it; replicas that share one (all
         # the CPU replicas of a host) share one, their id an argument, so
-        # that tracing and graph memory do not grow with the replicas. `loop_concretes`: each function, under the
-        # first replica that runs it; `_loop_calls`: per replica, its
-        # function and the arguments that name the replica.
+        # that tracing and graph memory do not grow with the replicas.
+        # `loop_concretes`: each function, under the first replica that runs
+        # it; `_loop_calls`: per replica, its function and the arguments that
+        # name the replica.
         self.loop_concretes = {}
         self._loop_calls = {}
         devices = extended.compute_devices
