@@ -48,6 +48,11 @@ CONTENDERS = {
         Contender("plain_keras", "plain Keras"),
         Contender("mirrored", "MirroredStrategy"),
         Contender("tf_diffmap", "tf_diffmap", asynchronous=True),
+        Contender(
+            "tf_diffmap_own_devices",
+            "tf_diffmap, each replica's ops on its own device",
+            asynchronous=True,
+        ),
         Contender("tf_diffmap_bounded", "tf_diffmap bounded", asynchronous=True),
         Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
         Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
@@ -242,7 +247,7 @@ class Runtime:
             )
         import tf_diffmap
 
-        if self.name == "tf_diffmap":
+        if self.name in ("tf_diffmap", "tf_diffmap_own_devices"):
             return tf_diffmap.Strategy(
                 devices=self.devices,
                 replicas_per_device=self.replicas_per_device,
@@ -253,7 +258,13 @@ class Runtime:
         )
 
     def _tf_diffmap_options(self) -> dict[str, Any]:
-        return {} if self.steps_per_loop is None else {"steps_per_loop": self.steps_per_loop}
+        options: dict[str, Any] = {}
+        if self.steps_per_loop is not None:
+            options["steps_per_loop"] = self.steps_per_loop
+        if self.name == "tf_diffmap_own_devices":
+            # As GPU replicas are placed: the transfers between devices paid.
+            options["colocate_cpu_replicas"] = False
+        return options
 
     def scope(self):
         """The strategy's scope (a no-op for plain Keras and the floor)."""

@@ -302,7 +302,9 @@ class QueueLoops:
     device, takes up to `steps_per_loop` shards and applies each as one SGD
     update of a `Dense(1)`'s mean squared error, the parameters on the first
     device (the host, where tf_diffmap's store is) and the gradient computed
-    on the loop's own device. A STOP item (`stop`) ends a loop; its shard of
+    where the loop's replica computes (`compute_devices`: by default the
+    loop's own device; tf_diffmap's rule puts CPU replicas on the host's
+    CPU:0, `tf_diffmap.devices.compute_device`). A STOP item (`stop`) ends a loop; its shard of
     zeros is applied with a learning rate of 0, so that the loop's body has
     no conditional.
 
@@ -331,6 +333,8 @@ class QueueLoops:
         seed: seeds the initial kernel.
         keras_step: apply each shard with Keras' train step rather than a
             hand-written SGD update.
+        compute_devices: per loop, where it computes its gradient (by
+            default its device).
 
     Raises:
         ValueError: no device, or a batch the devices cannot share evenly.
@@ -346,6 +350,7 @@ class QueueLoops:
         steps_per_loop: int = 32,
         seed: int = 0,
         keras_step: bool = False,
+        compute_devices: list[str] | None = None,
     ) -> None:
         replicas = len(devices)
         if not replicas or batch_size % replicas:
@@ -376,7 +381,11 @@ class QueueLoops:
         )
         # Per loop device, the devices its forward and backward ops name.
         self.gradient_devices: dict[str, set[str]] = {}
-        self._loops = [self._make_loop(device) for device in self.devices]
+        self.compute_devices = list(compute_devices or self.devices)
+        self._loops = [
+            self._make_loop(device, compute)
+            for device, compute in zip(self.devices, self.compute_devices)
+        ]
         self._applied = [0] * replicas
         self._errors: list[BaseException] = []
         self._threads = [
@@ -386,7 +395,7 @@ class QueueLoops:
         for thread in self._threads:
             thread.start()
 
-    def _make_loop(self, device: str):
+    def _make_loop(self, device: str, compute: str):
         host = self.devices[0]
 
         def loop(max_steps):
@@ -395,18 +404,19 @@ class QueueLoops:
 
             def body(taken, stopped):
                 stop, x, y = self.queue.dequeue()
-                # The gradient is computed on the loop's device, as a replica
-                # step is: named here, since the ops of a loop's body do not
-                # take the device that the function is traced under.
+                # The gradient is computed where the loop's replica computes,
+                # as a replica step is: named here, since the ops of a loop's
+                # body do not take the device that the function is traced
+                # under.
                 graph = tf.compat.v1.get_default_graph()
                 first = len(graph.get_operations())
                 if self.stepping_model is not None:
-                    with tf.device(device):
+                    with tf.device(compute):
                         logs = self.stepping_model.train_step((x, y))
                     self._record_placement(device, graph, first)
                     with tf.control_dependencies(tf.nest.flatten(logs)):
                         return taken + 1, tf.identity(stop)
-                with tf.device(device):
+                with tf.device(compute):
                     with tf.GradientTape() as tape:
                         error = tf.matmul(x, self.kernel) + self.bias - y
                         loss = tf.reduce_mean(tf.square(error))

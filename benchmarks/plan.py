@@ -114,11 +114,14 @@ class Plan:
         high_staleness_batch_size: the global batch size there.
         high_staleness_drop_above: the bound of the "drop" rule there.
         control_contenders: the control workload's contenders: plain Keras on
-            one device against tf_diffmap on `control_replicas` devices, and
-            the floors on as many (`floor_control`: Keras' loop feeding bare
-            TensorFlow loops, `benchmarks.floor.QueueLoops`;
+            one device against tf_diffmap on `control_replicas` devices
+            (`tf_diffmap_own_devices`: with each replica's ops on its own
+            device, as GPU replicas are, rather than on the host's CPU:0),
+            and the floors on as many (`floor_control`: Keras' loop feeding
+            bare TensorFlow loops, `benchmarks.floor.QueueLoops`;
             `floor_keras_control`: the same loops applying each shard with
-            Keras' own train step).
+            Keras' own train step), placed as tf_diffmap places its
+            replicas by default.
         control_replicas: tf_diffmap's (and the floor's) replicas there.
         control_batch_size: the global batch size there (a shard of
             `control_batch_size / control_replicas` examples per update).
@@ -228,6 +231,7 @@ class Plan:
     control_contenders: tuple[str, ...] = (
         "plain_keras",
         "tf_diffmap",
+        "tf_diffmap_own_devices",
         "floor_control",
         "floor_keras_control",
     )
@@ -502,7 +506,10 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
             out.append(
                 {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
             )
-        elif contender == "tf_diffmap":
+        elif contender in ("tf_diffmap", "tf_diffmap_own_devices"):
+            # Each replica on its own device: at the first K only, beside
+            # the default placement's row.
+            ks = plan.control_steps_per_loop
             out += [
                 {
                     "contender": contender,
@@ -511,7 +518,7 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
                     "seed": plan.seed,
                     "tasks": tasks,
                 }
-                for k in plan.control_steps_per_loop
+                for k in (ks if contender == "tf_diffmap" else ks[:1])
             ]
     return out
 

@@ -431,6 +431,7 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
     loops = None
     if rt.name in CONTROL_FLOORS:
         from benchmarks import floor
+        from tf_diffmap.devices import compute_device
 
         loops = floor.QueueLoops(
             rt.keras,
@@ -440,6 +441,8 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
             features=x.shape[1],
             seed=seed,
             keras_step=rt.name == "floor_keras_control",
+            # Placed as tf_diffmap places its replicas by default.
+            compute_devices=[compute_device(d) for d in rt.devices],
         )
         model = loops.model
         model.compile(steps_per_execution=spe)

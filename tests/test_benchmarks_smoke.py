@@ -141,6 +141,8 @@ def test_smoke_control_and_cluster(tmp_path):
         ("plain_keras", None, 1),
         ("tf_diffmap", 32, 16),
         ("tf_diffmap", 32, 1),
+        ("tf_diffmap_own_devices", 32, 16),
+        ("tf_diffmap_own_devices", 32, 1),
         ("floor_control", None, 16),
         ("floor_control", None, 1),
         ("floor_keras_control", None, 16),
@@ -339,6 +341,10 @@ def test_control_floor_applies_every_shard_it_queued_as_sgd():
     assert loops.gradient_devices == {
         device: {tf.DeviceSpec.from_string(device).to_string()} for device in devices
     }
+    # Placed as tf_diffmap's CPU replicas are: every gradient on the host.
+    host = tf.DeviceSpec.from_string(devices[0]).to_string()
+    placed = floor.QueueLoops(keras, devices, 16, 0.05, features=8, compute_devices=[host] * 4)
+    assert placed.gradient_devices == {device: {host} for device in devices}
     with pytest.raises(ValueError, match="multiple of the devices"):
         floor.QueueLoops(keras, devices, 18, 0.05, features=8)
 
