@@ -304,9 +304,9 @@ class QueueLoops:
     device (the host, where tf_diffmap's store is) and the gradient computed
     where the loop's replica computes (`compute_devices`: by default the
     loop's own device; tf_diffmap's rule puts CPU replicas on the host's
-    CPU:0, `tf_diffmap.devices.compute_device`). A STOP item (`stop`) ends a loop; its shard of
-    zeros is applied with a learning rate of 0, so that the loop's body has
-    no conditional.
+    CPU:0, `tf_diffmap.devices.compute_device`). A STOP item (`stop`) ends
+    a loop; its shard of zeros is applied with a learning rate of 0, so
+    that the loop's body has no conditional.
 
     What it is not: no version counter, staleness or statistics, no count of
     what is in flight, no outputs for Keras (the step returns a constant),

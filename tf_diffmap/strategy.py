@@ -69,7 +69,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         max_staleness: int | None,
         queue_size: int | None,
         steps_per_loop: int,
-        colocate_cpu_replicas: bool = True,
+        colocate_cpu_replicas: bool,
     ):
         super().__init__(container_strategy)
         self.replica_devices = replica_devices
