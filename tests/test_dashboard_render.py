@@ -11,6 +11,7 @@ whose DOM is checked for the charts; and inside TensorBoard itself
 
 from __future__ import annotations
 
+import decimal
 import re
 import shutil
 import struct
@@ -131,7 +132,7 @@ def test_tab_shows_the_charts_of_the_run(served):
     shares = stats.work_share
     for width, share in zip(widths, shares):
         assert width / max(widths) == pytest.approx(share / shares.max(), abs=1e-3)
-    assert f"{100 * shares[0]:.1f}%" in dom
+    assert f"{_to_fixed(100 * shares[0], 1)}%" in dom
     assert f'<div class="value">{stats.version}</div>' in dom  # the store version card
 
 
@@ -183,3 +184,11 @@ if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/staleness_tab.png")
     make_screenshot(out)
     print(f"wrote {out} ({out.stat().st_size} bytes)")
+
+
+def _to_fixed(value: float, digits: int) -> str:
+    """`value` as JavaScript's `toFixed(digits)` writes it: the float's exact
+    value rounded half up (Python's formatting rounds a tie such as 6.25 to
+    even, "6.2", where the page shows "6.3")."""
+    exact = decimal.Decimal(float(value))
+    return str(exact.quantize(decimal.Decimal(1).scaleb(-digits), decimal.ROUND_HALF_UP))
