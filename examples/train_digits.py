@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--slow-replica-ms", type=float, default=0.0, help="replica 0 sleeps")
     parser.add_argument(
         "--staleness",
-        choices=["plain", "none", "inverse", "dc", "drop"],
+        choices=["plain", "auto", "none", "linear", "inverse", "dc", "drop", "gap"],
         default="plain",
         help="plain: Adam as is; otherwise tf_diffmap.AsyncOptimizer with this rule",
     )

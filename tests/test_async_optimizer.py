@@ -57,6 +57,7 @@ def test_delegates_to_the_inner_optimizer():
         ({"drop_above": -1}, "drop_above must be an int >= 0, received -1"),
         ({"dc_momentum": 1.0}, "dc_momentum must be in"),
         ({"staleness_decay": 1.0}, "staleness_decay must be in"),
+        ({"gap_decay": -0.1}, "gap_decay must be in"),
         ({"staleness": "momentum"}, "SGD with momentum > 0.*momentum 0.0"),
     ],
 )
@@ -73,10 +74,11 @@ def test_wraps_only_optimizers():
 @pytest.mark.parametrize(
     "inner, rule",
     [
-        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "momentum"),
-        (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), "momentum"),
-        (lambda: keras.optimizers.SGD(0.1), "none"),
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "linear"),
+        (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), "linear"),
+        (lambda: keras.optimizers.SGD(0.1), "linear"),
         (lambda: keras.optimizers.Adam(1e-3), "none"),
+        (lambda: keras.optimizers.AdamW(1e-3), "none"),
         (lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9), "none"),
     ],
 )
@@ -98,7 +100,10 @@ def test_config_round_trip():
         keras.optimizers.SGD(0.3, momentum=0.5), staleness_decay=0.5
     )
     clone = tf_diffmap.AsyncOptimizer.from_config(default.get_config())
-    assert clone.staleness == "auto" and clone.rule == "momentum" and clone.staleness_decay == 0.5
+    assert clone.staleness == "auto" and clone.staleness_decay == 0.5
+    gap = tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(), staleness="gap", gap_decay=0.9)
+    clone = tf_diffmap.AsyncOptimizer.from_config(gap.get_config())
+    assert clone.staleness == "gap" and clone.gap_decay == 0.9
 
 
 def test_model_with_async_optimizer_saves_and_loads(tmp_path):
@@ -118,7 +123,7 @@ def test_model_with_async_optimizer_saves_and_loads(tmp_path):
 
 
 @pytest.mark.parametrize("inner", ["sgd", "sgd_momentum", "adam"])
-@pytest.mark.parametrize("rule", ["none", "dc", "auto"])
+@pytest.mark.parametrize("rule", ["none", "dc", "gap", "auto"])
 def test_one_replica_equals_the_inner_optimizer(inner, rule):
     """Staleness is 0 with one replica: every rule reduces to the inner one."""
     make = {
@@ -181,6 +186,50 @@ def test_momentum_rule_scales_the_learning_rate_by_the_smoothed_staleness():
     assert float(stats.lr_scale_sum.sum()) == pytest.approx(expected, rel=1e-5)
 
 
+def test_linear_rule_divides_every_update_by_the_replica_count():
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="linear")
+    )
+    stats = strategy.statistics()
+    updates = int(stats.updates.sum())
+    assert updates == 2 * 16 * 4 and stats.num_replicas == 4
+    np.testing.assert_allclose(stats.mean_lr_scale, 0.25)
+    # Whatever each update's staleness, it moved LR / 4: exact in float32.
+    np.testing.assert_array_equal(
+        model.get_weights()[0], np.full((4, 3), -LR / 4 * updates, "float32")
+    )
+
+
+def test_gap_rule_learns_the_typical_step_from_the_steps_taken():
+    # One replica, a constant gradient of 1: each update steps exactly -LR, so
+    # the bias-corrected mean square of the steps is LR**2, and no gap is seen.
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="gap"),
+        devices=["CPU:1"],
+    )
+    optimizer = model.optimizer
+    (square,) = optimizer._step_squares.values()
+    weight = float(optimizer._step_weight.numpy())
+    assert weight == pytest.approx(1 - 0.99 ** (2 * 16), rel=1e-5)
+    np.testing.assert_allclose(square.numpy() / weight, LR**2, rtol=1e-4)
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -LR * 32, "float32"))
+
+
+def test_gap_rule_shrinks_only_the_updates_whose_parameters_moved():
+    strategy, model = train_constant(
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="gap")
+    )
+    stats = strategy.statistics()
+    assert stats.overall_max_staleness > 0  # replica 0 is slow: its updates are stale
+    moved = -model.get_weights()[0]
+    full = LR * int(stats.updates.sum())
+    # Stale updates met parameters that others had moved: they took smaller
+    # steps. Fresh ones (staleness 0) were not penalized, so most of the
+    # distance is still covered.
+    assert np.all(moved < full - LR / 2), (moved, full)
+    assert np.all(moved > full * int(stats.histogram[:, 0].sum()) / int(stats.updates.sum()))
+
+
 def test_drop_rule_skips_stale_updates_and_counts_them():
     strategy, model = train_constant(
         lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(LR), staleness="drop", drop_above=1)
@@ -225,7 +274,11 @@ def test_mixed_precision_keeps_updates_exact(policy, wrapped):
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     updates = strategy.version
     assert updates == 2 * 16 * 4
-    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -LR * updates, "float32"))
+    # Wrapped, SGD gets the default "linear" rule: every step divided by the 4 replicas.
+    step = LR / 4 if wrapped else LR
+    np.testing.assert_array_equal(
+        model.get_weights()[0], np.full((4, 3), -step * updates, "float32")
+    )
 
 
 @pytest.mark.parametrize(

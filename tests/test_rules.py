@@ -88,3 +88,29 @@ def test_expected_staleness_by_hand(replicas, expected):
 def test_expected_staleness_rejects_no_replicas():
     with pytest.raises(ValueError, match="num_replicas >= 1, received 0"):
         rules.expected_staleness(0)
+
+
+def test_gap_penalty_by_hand():
+    now = tf.constant([1.0, 1.0, -2.0, 3.0])
+    read = tf.constant([0.5, 1.0, -1.0, 0.0])
+    # C = sqrt(mean square): [0.25, 1, 0.5, 1].
+    step_mean_square = tf.constant([0.0625, 1.0, 0.25, 1.0])
+    got = rules.gap_penalty(now, read, step_mean_square, epsilon=0.0)
+    # 1 + |now - read| / C: 1 + 0.5 / 0.25, 1 + 0, 1 + 1 / 0.5, 1 + 3 / 1.
+    np.testing.assert_allclose(got, [3.0, 1.0, 3.0, 4.0], rtol=1e-6)
+
+
+def test_gap_penalty_of_a_parameter_that_never_moved_is_finite():
+    got = rules.gap_penalty(tf.constant([2.0]), tf.constant([2.0]), tf.constant([0.0]))
+    assert float(got[0]) == 1.0
+
+
+@pytest.mark.parametrize("replicas, expected", [(1, 1.0), (4, 0.25), (16, 0.0625)])
+def test_linear_lr_scale_by_hand(replicas, expected):
+    got = rules.linear_lr_scale(replicas)
+    assert got.dtype == tf.float32 and float(got) == expected
+
+
+def test_linear_lr_scale_rejects_no_replicas():
+    with pytest.raises(ValueError, match="num_replicas >= 1, received 0"):
+        rules.linear_lr_scale(0)

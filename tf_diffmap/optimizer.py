@@ -7,19 +7,28 @@ update it learns the replica's staleness from the strategy's step and applies
 one rule:
 
 - `"none"`: the plain asynchronous update (Hogwild!, Downpour);
+- `"linear"`: learning rate divided by the number of replicas N, the
+  synchronous step per example for an update computed on 1/N of the batch
+  (Zhang et al. 2016's lr / (1 + s) at the mean staleness N - 1 that N
+  overlapping replicas see);
 - `"inverse"`: learning rate divided by max(1, staleness) (Zhang et al. 2016);
 - `"dc"`: delay compensation, DC-ASGD-a (Zheng et al. 2017), which corrects
   the gradient with the parameters the replica read;
 - `"drop"`: updates staler than `drop_above` are not applied, and counted;
+- `"gap"`: Gap-Aware (Barkai et al. 2020): each element of the gradient is
+  divided by 1 + how far its parameter moved since the read, in typical
+  steps of that parameter;
 - `"momentum"`: for SGD with momentum, the explicit momentum lowered by the
   momentum that asynchrony adds (Mitliagkas et al. 2016), and the learning
   rate divided by 1 + s (Zhang et al. 2016 at the mean staleness), both
   from s, a moving average of the measured staleness;
-- `"auto"` (the default): `"momentum"` for SGD with momentum, `"none"` for
-  every other optimizer;
+- `"auto"` (the default): `"linear"` for `keras.optimizers.SGD`, with or
+  without momentum, and `"none"` for every other optimizer (adaptive ones
+  such as Adam normalize their step, and held without a rule where SGD
+  collapsed; see the convergence table of the benchmarks);
 - a callable `rule(staleness) -> learning-rate factor`, for research.
 
-`drop_above` also combines with `"inverse"`, `"dc"`, `"momentum"` and callables.
+`drop_above` also combines with every other rule and with callables.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from tf_diffmap.step import current_step
 
 __all__ = ["AsyncOptimizer", "heavy_ball_momentum"]
 
-RULES = ("auto", "none", "inverse", "dc", "drop", "momentum")
+RULES = ("auto", "none", "linear", "inverse", "dc", "drop", "momentum", "gap")
 
 _BASE_ARGUMENTS = (
     "weight_decay",
@@ -129,11 +138,11 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` instance to wrap.
-        staleness: `"auto"` (default: `"momentum"` for SGD with momentum,
-            else `"none"`), `"none"`, `"inverse"`, `"dc"`, `"drop"`,
-            `"momentum"`, or a callable taking the staleness (int64 scalar
-            tensor) and returning the factor (float scalar tensor) the
-            learning rate is multiplied by.
+        staleness: `"auto"` (default: `"linear"` for `keras.optimizers.SGD`,
+            else `"none"`), `"none"`, `"linear"`, `"inverse"`, `"dc"`,
+            `"drop"`, `"momentum"`, `"gap"`, or a callable taking the
+            staleness (int64 scalar tensor) and returning the factor (float
+            scalar tensor) the learning rate is multiplied by.
         drop_above: updates with a larger staleness are not applied. Needed by
             `"drop"`; optional with the other rules.
         dc_lambda: lambda_0 of DC-ASGD-a.
@@ -142,6 +151,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             `"momentum"` takes its momentum, max(0, mu - s / (1 + s)), and
             its learning-rate factor, 1 / (1 + s), from; it starts from
             N - 1 for N replicas (`staleness.expected_staleness`).
+        gap_decay: decay of `"gap"`'s moving mean square of each
+            parameter's steps, whose root is the typical step C the gap
+            is measured in.
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -168,6 +180,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         dc_lambda: float = 0.04,
         dc_momentum: float = 0.95,
         staleness_decay: float = 0.95,
+        gap_decay: float = 0.99,
         name: str | None = None,
         **kwargs,
     ):
@@ -209,6 +222,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"dc_momentum must be in [0, 1), received {dc_momentum!r}.")
         if not 0 <= staleness_decay < 1:
             raise ValueError(f"staleness_decay must be in [0, 1), received {staleness_decay!r}.")
+        if not 0 <= gap_decay < 1:
+            raise ValueError(f"gap_decay must be in [0, 1), received {gap_decay!r}.")
         if staleness == "momentum" and heavy_ball_momentum(inner_optimizer) <= 0:
             raise ValueError(
                 'staleness="momentum" lowers the momentum of a keras.optimizers.SGD '
@@ -224,23 +239,32 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         self.dc_lambda = float(dc_lambda)
         self.dc_momentum = float(dc_momentum)
         self.staleness_decay = float(staleness_decay)
+        self.gap_decay = float(gap_decay)
 
     @property
     def rule(self) -> str | Callable:
         """The rule that applies: `staleness`, with `"auto"` resolved."""
         if self.staleness != "auto":
             return self.staleness
-        return "momentum" if heavy_ball_momentum(self.inner_optimizer) > 0 else "none"
+        return "linear" if _sgd_of(self.inner_optimizer) is not None else "none"
 
     # -- state ------------------------------------------------------------
 
     def build(self, var_list):
         if self.built:
             return
+        self._num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if self.rule == "dc":
             self._mean_squares = {
                 id(v): self.add_variable_from_reference(v, name="dc_mean_square") for v in var_list
             }
+        if self.rule == "gap":
+            self._step_squares = {
+                id(v): self.add_variable_from_reference(v, name="gap_step_square") for v in var_list
+            }
+            # The moving average's weight, for its bias correction (0 until
+            # a step was measured).
+            self._step_weight = self.add_variable((), initializer="zeros", name="gap_step_weight")
         if self.rule == "momentum":
             # A moving average: sum of weighted staleness, and the sum of the
             # weights. Before any staleness is measured it holds the staleness
@@ -248,7 +272,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             # the measurements replace it as they come (with one replica it
             # is 0 with weight 0: bias-corrected from the first update, as
             # Adam's moments are).
-            prior = rules.expected_staleness(tf.distribute.get_strategy().num_replicas_in_sync)
+            prior = rules.expected_staleness(self._num_replicas)
             self._staleness_average = self.add_variable(
                 (), initializer=keras.initializers.Constant(prior), name="staleness_average"
             )
@@ -287,6 +311,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
     def _lr_scale(self, staleness, mean_staleness=None):
         if callable(self.staleness):
             return tf.cast(self.staleness(staleness), tf.float32)
+        if self.rule == "linear":
+            return rules.linear_lr_scale(self._num_replicas)
         if self.rule == "inverse":
             return rules.inverse_lr_scale(staleness)
         if self.rule == "momentum":
@@ -324,6 +350,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         state.record(claim, keep, lr_scale)
         if rule == "dc":
             grads = self._compensate(grads, variables, state, claim)
+        measure_steps = None
+        if rule == "gap":
+            grads, measure_steps = self._gap_aware(grads, variables, state, claim)
         traced_momentum = contextlib.nullcontext()
         if rule == "momentum":
             traced_momentum = _momentum_of_update(
@@ -336,6 +365,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         def apply_inner():
             with traced_momentum:
                 self.inner_optimizer.apply(grads, variables)
+            if measure_steps is not None:
+                measure_steps()
             return tf.constant(True)
 
         if self.drop_above is None:
@@ -386,6 +417,51 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 )
         return compensated
 
+    def _gap_aware(self, grads, variables, state, claim):
+        """Gap-Aware: each gradient divided by its parameters' gap.
+
+        Returns the penalized gradients and a function to call once the
+        update is applied: it folds the step each parameter just took into
+        the moving mean square of its steps, the C of `staleness.gap_penalty`.
+        Until a first step is measured nothing is penalized.
+        """
+        penalized, measured = [], []
+        with tf.control_dependencies([claim.staleness]):
+            weight = self._step_weight.value
+            weight_now = tf.cast(weight.read_value(), tf.float32)
+            for gradient, variable in zip(grads, variables):
+                if gradient is None:
+                    penalized.append(None)
+                    continue
+                tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
+                gradient = tf.convert_to_tensor(gradient)
+                square = self._step_squares[id(variable)].value
+                square_now = tf.cast(square.read_value(), gradient.dtype)
+                params_now = tf.cast(tf_variable.read_value(), gradient.dtype)
+                params_read = tf.cast(state.read_value_of(tf_variable), gradient.dtype)
+                corrected = square_now / tf.cast(tf.maximum(weight_now, 1e-12), gradient.dtype)
+                penalty = tf.where(
+                    weight_now > 0,
+                    rules.gap_penalty(params_now, params_read, corrected),
+                    tf.ones_like(gradient),
+                )
+                penalized.append(gradient / penalty)
+                measured.append((tf_variable, square, square_now, params_now))
+        decay = self.gap_decay
+
+        def measure_steps():
+            for tf_variable, square, square_now, params_before in measured:
+                # Read after this update was applied (the step's automatic
+                # control dependencies order it after the variable's update).
+                step = tf.cast(tf_variable.read_value(), params_before.dtype) - params_before
+                change = rules.mean_square_step(square_now, step, decay)
+                square.assign_add(tf.cast(change, square.dtype))
+            weight.assign_add(
+                tf.cast(rules.moving_average_step(weight_now, 1.0, decay), weight.dtype)
+            )
+
+        return penalized, measure_steps
+
     # -- serialization ---------------------------------------------------------
 
     def get_config(self):
@@ -401,6 +477,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 "dc_lambda": self.dc_lambda,
                 "dc_momentum": self.dc_momentum,
                 "staleness_decay": self.staleness_decay,
+                "gap_decay": self.gap_decay,
             }
         )
         for key in _BASE_ARGUMENTS:
@@ -418,6 +495,13 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             staleness = keras.saving.deserialize_keras_object(
                 staleness, custom_objects=custom_objects
             )
-        known = ("drop_above", "dc_lambda", "dc_momentum", "staleness_decay", "name")
+        known = (
+            "drop_above",
+            "dc_lambda",
+            "dc_momentum",
+            "staleness_decay",
+            "gap_decay",
+            "name",
+        )
         kwargs = {k: config[k] for k in known if k in config}
         return cls(inner, staleness=staleness, **kwargs)

@@ -25,6 +25,8 @@ __all__ = [
     "compensated_momentum",
     "mean_staleness_lr_scale",
     "expected_staleness",
+    "gap_penalty",
+    "linear_lr_scale",
 ]
 
 
@@ -346,3 +348,55 @@ def expected_staleness(num_replicas: int) -> float:
     if num_replicas < 1:
         raise ValueError(f"expected_staleness needs num_replicas >= 1, received {num_replicas}.")
     return float(num_replicas - 1)
+
+
+def gap_penalty(params_now, params_read, step_mean_square, epsilon: float = 1e-8):
+    """Gap-Aware's penalty (Barkai, Hakimi and Schuster, ICLR 2020), per element.
+
+    The gap of an update is how far each parameter moved between the read
+    its gradient was computed at and the moment the update is applied,
+    measured in typical steps: G = 1 + |w_now - w_read| / C, where C is the
+    root mean square of the steps that the parameter's updates took. The
+    gradient is divided by G. A parameter that did not move since the read
+    (no other update touched it, or they cancelled out) is not penalized at
+    all, whatever the staleness; one that moved s typical steps the same
+    way is penalized as `"inverse"` would at staleness s + 1.
+
+    Args:
+        params_now: the parameters when the update is applied.
+        params_read: the parameters the gradient was computed at.
+        step_mean_square: per element, the (bias-corrected) moving mean
+            square of the parameter's recent steps; C is its square root.
+        epsilon: keeps C away from zero for parameters that never moved.
+
+    Returns:
+        G >= 1, the shape of the parameters: the gradient is divided by it.
+    """
+    typical_step = tf.sqrt(step_mean_square) + epsilon
+    return 1.0 + tf.abs(params_now - params_read) / typical_step
+
+
+def linear_lr_scale(num_replicas: int):
+    """Learning-rate factor 1 / N for N replicas: the synchronous step per example.
+
+    Each of N replicas applies the gradient of its own 1/N of the global
+    batch, so N asynchronous updates stand where one synchronous update of
+    the whole batch stood. Dividing the learning rate by N keeps the step
+    per example where the synchronous learning rate put it: the linear
+    scaling rule (Goyal et al. 2017) applied to the replica's shard. It is
+    also the staleness-dependent learning rate of Zhang, Gupta, Lian and Liu
+    (IJCAI 2016), alpha_0 / (1 + s), at the mean staleness N - 1 that N
+    replicas working at once see (N - 1 updates in flight besides one's
+    own), but it does not rise when replicas happen not to overlap: an
+    update of 1/N of the batch at the full learning rate is as unstable with
+    little staleness as with much.
+
+    Args:
+        num_replicas: N >= 1.
+
+    Returns:
+        A float32 scalar tensor, 1 / N (exactly 1 for one replica).
+    """
+    if num_replicas < 1:
+        raise ValueError(f"linear_lr_scale needs num_replicas >= 1, received {num_replicas}.")
+    return tf.constant(1.0 / num_replicas, tf.float32)
