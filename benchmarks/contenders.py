@@ -96,6 +96,8 @@ class Runtime:
         gpu_memory_mb: memory of each logical GPU when a GPU is split.
         cluster: `{"workers": n, "ps": m}` for the cluster contenders: the
             localhost cluster to start (its servers see no GPU).
+        inter_op_threads: TensorFlow's inter-op pool, set before it starts
+            (None: TensorFlow's default, one thread per core).
 
     Attributes:
         devices: the replicas' devices (the workers', on a cluster).
@@ -113,6 +115,7 @@ class Runtime:
         device: str = "cpu",
         gpu_memory_mb: int | None = None,
         cluster: dict[str, int] | None = None,
+        inter_op_threads: int | None = None,
     ):
         if contender not in CONTENDERS:
             raise ValueError(
@@ -152,6 +155,10 @@ class Runtime:
             self.keras_version = f"Keras {keras.__version__}"
             self.tf_diffmap_version = tf_diffmap.__version__
         self.tf = tf
+        if inter_op_threads:
+            # Before TensorFlow starts: enough threads for every replica that
+            # sleeps in its emulated device time (`workloads.replica_delay`).
+            tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
         if contender in CLUSTER_CONTENDERS:
             self.devices: list[str] = []  # the workers' devices, once connected
         else:
@@ -287,11 +294,10 @@ class Runtime:
 
         return tf_diffmap.AsyncOptimizer(adam, staleness=rule, drop_above=drop_above)
 
-    def optimizer_from(self, name: str, rule: str | None = None, drop_above=None):
-        """`workloads.OPTIMIZERS[name]`, wrapped in `AsyncOptimizer` when a rule is given."""
-        from benchmarks.workloads import OPTIMIZERS
-
-        spec = dict(OPTIMIZERS[name])
+    def optimizer_from(self, spec: dict, rule: str | None = None, drop_above: int | None = None):
+        """A Keras optimizer from `{"class": ..., **arguments}`, wrapped in
+        `AsyncOptimizer` when a rule is given."""
+        spec = dict(spec)
         inner = getattr(self.keras.optimizers, spec.pop("class"))(**spec)
         if rule is None:
             return inner

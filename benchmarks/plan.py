@@ -34,7 +34,7 @@ WORKLOADS = (
     "control",
     "cluster",
     "fault_timeline",
-    "high_staleness",
+    "convergence",
 )
 
 # The control workload's floors (`benchmarks.floor.QueueLoops`): bare loops
@@ -97,22 +97,25 @@ class Plan:
         points_epochs: epochs of each of its `fit`s over digits.
         points_rounds: its rounds of (no callback, every point, default budget).
         seed: seeds data, weights and shuffling.
-        workloads: which of `WORKLOADS` run. "high_staleness" is not in the
-            presets' defaults (it trains about 60 models); run it alone with
-            `python -m benchmarks --only high_staleness`.
-        high_staleness_devices: logical CPU devices of the high-staleness
-            table (MirroredStrategy, the synchronous reference, uses them all).
-        high_staleness_replicas_per_device: tf_diffmap's replicas per device
-            there (4 x 4 = 16 replicas).
-        high_staleness_rows: (model, optimizer) pairs, keys of
-            `workloads.HIGH_STALENESS_MODELS` and `workloads.OPTIMIZERS`.
-        high_staleness_rules: `AsyncOptimizer` rules run under tf_diffmap
-            ("momentum" only where the optimizer is SGD with momentum).
-        high_staleness_stragglers: run without (False) and with (True) replica
-            0 sleeping `high_staleness_delay` seconds in each step.
-        high_staleness_epochs: epochs over digits' training set.
-        high_staleness_batch_size: the global batch size there.
-        high_staleness_drop_above: the bound of the "drop" rule there.
+        workloads: which of `WORKLOADS` run. "convergence" is not in the
+            presets' defaults (it trains about 300 models); run it alone with
+            `python -m benchmarks --only convergence`.
+        convergence_devices: logical CPU devices of the convergence table
+            (MirroredStrategy, the synchronous reference, uses them all).
+        convergence_regimes: (name, replicas per device, the mean staleness
+            below which a row does not measure that regime) for each regime
+            of tf_diffmap; "low" 4 replicas, "high" 16.
+        convergence_rows: (model, optimizer) pairs: keys of
+            `workloads.CONVERGENCE_MODELS` and of its model's optimizers.
+        convergence_rules: `AsyncOptimizer` rules run under tf_diffmap
+            ("momentum" only where the optimizer is SGD with momentum; "drop"
+            with `drop_above` twice the staleness N replicas taking turns see).
+        convergence_seeds: each row runs once per seed (data order, weights).
+        convergence_epochs: epochs over digits' training set.
+        convergence_device_seconds: each replica's emulated device time per
+            training step (a sleep that uses no CPU, as waiting on a GPU).
+        convergence_inter_op_threads: TensorFlow's inter-op pool there,
+            large enough for every sleeping replica.
         control_contenders: the control workload's contenders: plain Keras on
             one device against tf_diffmap on `control_replicas` devices
             (`tf_diffmap_own_devices`: with each replica's ops on its own
@@ -211,23 +214,29 @@ class Plan:
     points_epochs: int = 3
     points_rounds: int = 3
     seed: int = 0
-    # Every workload but the high-staleness table, which runs alone (`--only`).
-    workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w != "high_staleness")
-    high_staleness_devices: int = 4
-    high_staleness_replicas_per_device: int = 4
-    high_staleness_rows: tuple[tuple[str, str], ...] = (
-        ("mlp_digits", "sgd_momentum"),
-        ("mlp_digits", "sgd"),
-        ("mlp_digits", "adam_1e-3"),
-        ("mlp_digits", "adam_1e-2"),
-        ("cnn_digits", "sgd_momentum"),
+    # Every workload but the convergence table, which runs alone (`--only`).
+    workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w != "convergence")
+    convergence_devices: int = 4
+    convergence_regimes: tuple[tuple[str, int, float], ...] = (("low", 1, 1.0), ("high", 4, 5.0))
+    convergence_rows: tuple[tuple[str, str], ...] = tuple(
+        (model, optimizer)
+        for model in ("mlp_digits", "cnn_digits")
+        for optimizer in ("sgd", "sgd_momentum", "adam", "adamw")
     )
-    high_staleness_rules: tuple[str, ...] = ("auto", "none", "inverse", "dc", "drop", "momentum")
-    high_staleness_stragglers: tuple[bool, ...] = (False, True)
-    high_staleness_delay: float = 0.02
-    high_staleness_epochs: int = 15
-    high_staleness_batch_size: int = 256
-    high_staleness_drop_above: int = 16
+    convergence_rules: tuple[str, ...] = (
+        "auto",
+        "none",
+        "linear",
+        "inverse",
+        "dc",
+        "drop",
+        "momentum",
+        "gap",
+    )
+    convergence_seeds: tuple[int, ...] = (0, 1, 2)
+    convergence_epochs: int = 15
+    convergence_device_seconds: float = 0.003
+    convergence_inter_op_threads: int = 64
     control_contenders: tuple[str, ...] = (
         "plain_keras",
         "tf_diffmap",
@@ -338,6 +347,10 @@ PRESETS = {
         fault_kill_at=4.0,
         fault_restart_at=7.0,
         fault_warmup_seconds=1.0,
+        convergence_rows=(("mlp_digits", "sgd_momentum"),),
+        convergence_rules=("auto", "none"),
+        convergence_seeds=(0,),
+        convergence_epochs=2,
     ),
 }
 
@@ -476,8 +489,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         out += _cluster_sessions(plan)
     if "fault_timeline" in plan.workloads:
         out.append(_fault_timeline_session(plan))
-    if "high_staleness" in plan.workloads:
-        out += _high_staleness_sessions(plan)
+    if "convergence" in plan.workloads:
+        out += _convergence_sessions(plan)
     return out
 
 
@@ -584,50 +597,63 @@ def _fault_timeline_session(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _high_staleness_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """MirroredStrategy's reference and tf_diffmap's 16 replicas, each rule."""
-    from benchmarks.workloads import OPTIMIZERS
+def _convergence_sessions(plan: Plan) -> list[dict[str, Any]]:
+    """MirroredStrategy's reference, and tf_diffmap in each regime, each rule.
 
-    def task(model, optimizer, rule, straggler):
+    The synchronous reference runs once per row and seed: its update (the
+    mean gradient of the global batch) does not depend on how many replicas
+    compute it, so it is the reference of every regime. Each row and seed
+    is a session of its own (a process), so that a session that fails
+    takes few results with it.
+    """
+    from benchmarks.workloads import CONVERGENCE_MODELS
+
+    def session(contender, regime, replicas_per_device, model, optimizer, seed, rules):
+        spec = CONVERGENCE_MODELS[model]["optimizers"][optimizer]
+        drop_above = 2 * (plan.convergence_devices * replicas_per_device - 1)
+        tasks = [
+            {
+                "kind": "convergence",
+                "model": model,
+                "optimizer": optimizer,
+                "rule": rule,
+                "drop_above": drop_above if rule == "drop" else None,
+                "seed": seed,
+                "epochs": plan.convergence_epochs,
+                "device_seconds": plan.convergence_device_seconds,
+            }
+            for rule in rules
+            if rule != "momentum" or spec.get("momentum")
+        ]
         return {
-            "kind": "high_staleness",
-            "model": model,
-            "optimizer": optimizer,
-            "rule": rule,
-            "drop_above": plan.high_staleness_drop_above if rule == "drop" else None,
-            "straggler": straggler,
-            "delay": plan.high_staleness_delay if straggler else 0.0,
-            "epochs": plan.high_staleness_epochs,
-            "batch_size": plan.high_staleness_batch_size,
+            "contender": contender,
+            "regime": regime,
+            "replicas": plan.convergence_devices,
+            "replicas_per_device": replicas_per_device,
+            "inter_op_threads": plan.convergence_inter_op_threads,
+            "max_staleness": None,
+            "seed": seed,
+            "tasks": tasks,
         }
 
     out = []
-    for contender in ("mirrored", "tf_diffmap"):
-        if contender not in plan.contenders:
-            continue
-        tasks = []
-        for model, optimizer in plan.high_staleness_rows:
-            if contender == "mirrored":
-                # Synchronous: a straggler slows it down but changes no update.
-                tasks.append(task(model, optimizer, None, False))
-                continue
-            for straggler in plan.high_staleness_stragglers:
-                for rule in plan.high_staleness_rules:
-                    if rule == "momentum" and not OPTIMIZERS[optimizer].get("momentum"):
-                        continue
-                    tasks.append(task(model, optimizer, rule, straggler))
-        out.append(
-            {
-                "contender": contender,
-                "replicas": plan.high_staleness_devices,
-                "replicas_per_device": plan.high_staleness_replicas_per_device
-                if contender == "tf_diffmap"
-                else 1,
-                "max_staleness": None,
-                "seed": plan.seed,
-                "tasks": tasks,
-            }
-        )
+    for seed in plan.convergence_seeds:
+        for model, optimizer in plan.convergence_rows:
+            if "mirrored" in plan.contenders:
+                out.append(session("mirrored", "sync", 1, model, optimizer, seed, [None]))
+            if "tf_diffmap" in plan.contenders:
+                for regime, per_device, _ in plan.convergence_regimes:
+                    out.append(
+                        session(
+                            "tf_diffmap",
+                            regime,
+                            per_device,
+                            model,
+                            optimizer,
+                            seed,
+                            plan.convergence_rules,
+                        )
+                    )
     return out
 
 
