@@ -125,7 +125,9 @@ def test_smoke_run_writes_results(tmp_path):
 def test_smoke_convergence_reports_staleness_and_the_regime_floor(tmp_path):
     """The convergence table: sync once, tf_diffmap in both regimes, each
     row with its measured staleness and a verdict against its floor."""
-    proc, results = _run_suite(tmp_path, "--only", "convergence")
+    proc, results = _run_suite(
+        tmp_path, "--only", "convergence", "--contenders", "mirrored,tf_diffmap"
+    )
     rows = {(r["regime"], r["rule"]): r for r in results["convergence"]}
     assert set(rows) == {
         ("sync", None),
