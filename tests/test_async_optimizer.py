@@ -76,7 +76,7 @@ def test_wraps_only_optimizers():
     [
         (lambda: keras.optimizers.SGD(0.1, momentum=0.9), "linear"),
         (lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), "linear"),
-        (lambda: keras.optimizers.SGD(0.1), "linear"),
+        (lambda: keras.optimizers.SGD(0.1), "gap"),
         (lambda: keras.optimizers.Adam(1e-3), "none"),
         (lambda: keras.optimizers.AdamW(1e-3), "none"),
         (lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9), "none"),
@@ -265,7 +265,7 @@ def test_mixed_precision_keeps_updates_exact(policy, wrapped):
 
         def optimizer():
             sgd = keras.optimizers.SGD(LR)
-            return tf_diffmap.AsyncOptimizer(sgd) if wrapped else sgd
+            return tf_diffmap.AsyncOptimizer(sgd, staleness="linear") if wrapped else sgd
 
         strategy, model = train_constant(optimizer)
     finally:
@@ -274,7 +274,7 @@ def test_mixed_precision_keeps_updates_exact(policy, wrapped):
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     updates = strategy.version
     assert updates == 2 * 16 * 4
-    # Wrapped, SGD gets the default "linear" rule: every step divided by the 4 replicas.
+    # Wrapped with "linear": every step divided by the 4 replicas, exactly.
     step = LR / 4 if wrapped else LR
     np.testing.assert_array_equal(
         model.get_weights()[0], np.full((4, 3), -step * updates, "float32")

@@ -22,10 +22,10 @@ one rule:
   momentum that asynchrony adds (Mitliagkas et al. 2016), and the learning
   rate divided by 1 + s (Zhang et al. 2016 at the mean staleness), both
   from s, a moving average of the measured staleness;
-- `"auto"` (the default): `"linear"` for `keras.optimizers.SGD`, with or
-  without momentum, and `"none"` for every other optimizer (adaptive ones
-  such as Adam normalize their step, and held without a rule where SGD
-  collapsed; see the convergence table of the benchmarks);
+- `"auto"` (the default): `"linear"` for `keras.optimizers.SGD` with
+  momentum, `"gap"` for SGD without, and `"none"` for every other optimizer
+  (adaptive ones such as Adam normalize their step, and held without a rule
+  where SGD collapsed); chosen from the convergence table of the benchmarks;
 - a callable `rule(staleness) -> learning-rate factor`, for research.
 
 `drop_above` also combines with every other rule and with callables.
@@ -138,9 +138,10 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` instance to wrap.
-        staleness: `"auto"` (default: `"linear"` for `keras.optimizers.SGD`,
-            else `"none"`), `"none"`, `"linear"`, `"inverse"`, `"dc"`,
-            `"drop"`, `"momentum"`, `"gap"`, or a callable taking the
+        staleness: `"auto"` (default: `"linear"` for `keras.optimizers.SGD`
+            with momentum, `"gap"` for SGD without, else `"none"`), `"none"`,
+            `"linear"`, `"inverse"`, `"dc"`, `"drop"`, `"momentum"`, `"gap"`,
+            or a callable taking the
             staleness (int64 scalar tensor) and returning the factor (float
             scalar tensor) the learning rate is multiplied by.
         drop_above: updates with a larger staleness are not applied. Needed by
@@ -246,7 +247,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         """The rule that applies: `staleness`, with `"auto"` resolved."""
         if self.staleness != "auto":
             return self.staleness
-        return "linear" if _sgd_of(self.inner_optimizer) is not None else "none"
+        if _sgd_of(self.inner_optimizer) is None:
+            return "none"
+        return "linear" if heavy_ball_momentum(self.inner_optimizer) > 0 else "gap"
 
     # -- state ------------------------------------------------------------
 
