@@ -194,6 +194,7 @@ def test_linear_rule_divides_every_update_by_the_replica_count():
     updates = int(stats.updates.sum())
     assert updates == 2 * 16 * 4 and stats.num_replicas == 4
     np.testing.assert_allclose(stats.mean_lr_scale, 0.25)
+    assert str(stats).count("learning-rate factor 0.25") == 4
     # Whatever each update's staleness, it moved LR / 4: exact in float32.
     np.testing.assert_array_equal(
         model.get_weights()[0], np.full((4, 3), -LR / 4 * updates, "float32")
@@ -367,3 +368,18 @@ def test_loss_scale_is_read_once_per_replica_step():
     assert float(scale_first) == float(scale_again) == 2.0
     assert float(plain_first) == 2.0 and float(plain_again) == 1.0  # what it guards against
     assert float(scale.numpy()) == float(plain.numpy()) == 1.0
+
+
+def test_no_learning_rate_factor_is_reported_where_no_rule_scales_it():
+    """A plain optimizer (and a rule that scales no learning rate) reports no
+    factor: the statistics say only what applies."""
+    for make in (
+        lambda: keras.optimizers.Adam(1e-3),
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(1e-3)),  # "none"
+    ):
+        strategy, _ = train_constant(make)
+        stats = strategy.statistics()
+        assert stats.updates.sum() == 2 * 16 * 4
+        assert stats.lr_scale_sum is None
+        np.testing.assert_array_equal(stats.mean_lr_scale, 1.0)
+        assert "learning-rate factor" not in str(stats)

@@ -1,5 +1,9 @@
 """Bad input gets a clear error naming the value and what to do."""
 
+import subprocess
+import sys
+import textwrap
+
 import keras
 import numpy as np
 import pytest
@@ -84,6 +88,54 @@ def test_model_built_outside_the_scope_is_refused(optimizer):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     with pytest.raises(ValueError, match=r"Build (and compile )?the model"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_optimizer_created_outside_the_scope_is_named_in_a_fresh_process():
+    """An optimizer created before `with strategy.scope():`, with the model
+    built inside: the error says so and how to fix it (TensorFlow's own speak
+    of nested or mixed strategies). A fresh process, as a user's script."""
+    script = textwrap.dedent(
+        """
+        import keras, numpy as np, tf_diffmap
+        tf_diffmap.split_devices(4, "CPU")
+        cases = {
+            "async": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1)),
+            "sgd": lambda: keras.optimizers.SGD(0.1),  # no slots: the step's trace
+            "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),  # Keras' build
+            "adam": lambda: keras.optimizers.Adam(1e-3),
+        }
+        x, y = np.zeros((64, 4), "float32"), np.zeros((64,), "int32")
+        for name, make in cases.items():
+            strategy = tf_diffmap.Strategy()
+            optimizer = make()
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+                model.compile(optimizer, "sparse_categorical_crossentropy")
+            try:
+                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            except Exception as error:
+                print(f"{name}|{type(error).__name__}|{error}".replace("\\n", " "))
+            else:
+                print(f"{name}|no error|")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = {}
+    for line in result.stdout.splitlines():
+        name, kind, message = line.split("|", 2)
+        seen[name] = (kind, message)
+    assert set(seen) == {"async", "sgd", "sgd_momentum", "adam"}, result.stdout
+    for name, (kind, message) in seen.items():
+        assert kind == "ValueError", (name, kind, message)
+        assert "was created outside this tf_diffmap.Strategy's scope" in message, name
+        assert "Create the optimizer inside `with strategy.scope():`" in message, name
+        assert "nest" not in message, name
+    # Where the optimizer is in hand, it is named.
+    assert "The optimizer (AsyncOptimizer)" in seen["async"][1]
+    assert "The optimizer (SGD)" in seen["sgd"][1]
 
 
 def test_one_default_replica_says_how_to_get_more(monkeypatch, caplog):

@@ -29,6 +29,27 @@ def test_a_changed_signature_is_reported(monkeypatch):
     assert any("_reduce_to" in p for p in _tf_internal.compatibility_problems())
 
 
+def test_keras_optimizers_remember_the_strategy_they_were_created_under():
+    """What the outside-the-scope error reads, and the error it replaces."""
+    import keras
+
+    import tf_diffmap
+
+    outside = keras.optimizers.SGD(0.1)
+    assert _tf_internal.optimizer_strategy(outside) is tf.distribute.get_strategy()
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        assert _tf_internal.optimizer_strategy(keras.optimizers.SGD(0.1)) is strategy
+        model_variable = tf.Variable(1.0)
+    assert _tf_internal.optimizer_strategy(object()) is None
+    # TensorFlow's own error when it makes a slot there (the base class's
+    # scope: tf_diffmap's replaces this error with its own).
+    with pytest.raises(RuntimeError) as raised, tf.distribute.Strategy.scope(strategy):
+        outside.add_variable_from_reference(model_variable, name="momentum")
+    assert _tf_internal.is_mixed_strategy_error(raised.value)
+    assert not _tf_internal.is_mixed_strategy_error(RuntimeError("something else"))
+
+
 def test_only_one_module_imports_tensorflow_python():
     import pathlib
 

@@ -14,6 +14,7 @@ import inspect
 import threading
 from collections.abc import Callable
 
+import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 
@@ -62,6 +63,13 @@ def _parameter_names(obj: object) -> tuple[str, ...]:
     return tuple(inspect.signature(obj).parameters)
 
 
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
 def compatibility_problems() -> list[str]:
     """Returns what differs from the TensorFlow internals tf_diffmap was built on."""
     problems = []
@@ -77,11 +85,7 @@ def compatibility_problems() -> list[str]:
                 f"StrategyExtended.{name} takes {_parameter_names(member)}, expected {params}"
             )
     for name, caller in CALLED_HOOKS.items():
-        try:
-            source = inspect.getsource(caller)
-        except (OSError, TypeError):
-            source = ""
-        if name not in source:
+        if name not in _source(caller):
             problems.append(f"{caller.__qualname__} no longer calls `{name}`")
     for name, params in VARIABLE_HOOKS.items():
         member = getattr(ResourceVariable, name, None)
@@ -98,6 +102,9 @@ def compatibility_problems() -> list[str]:
         problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
+    optimizer_classes = keras.optimizers.Optimizer.__mro__
+    if not any("_distribution_strategy" in _source(c.__init__) for c in optimizer_classes):
+        problems.append("Keras optimizers no longer have `_distribution_strategy`")
     for name in ("_set_device", "_is_stateful", "_update_input"):
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
@@ -125,6 +132,22 @@ def check_compatibility() -> None:
 def in_xla_context() -> bool:
     """Whether the graph being built will be compiled by XLA (jit_compile)."""
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def optimizer_strategy(optimizer: object) -> tf.distribute.Strategy | None:
+    """The strategy a Keras optimizer was created under, or None if it keeps none.
+
+    A Keras optimizer remembers the strategy current when it was created and
+    creates its variables (momentum, moments) under it.
+    """
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def is_mixed_strategy_error(error: BaseException) -> bool:
+    """Whether TensorFlow refused a variable created under another strategy."""
+    return isinstance(error, RuntimeError) and "Mixing different tf.distribute.Strategy" in str(
+        error
+    )
 
 
 def capture_summary_state() -> Callable[[], None]:

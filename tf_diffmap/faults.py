@@ -305,9 +305,7 @@ class Rejoiner:
                     _tf_internal.reconnect_cluster()
                     self._on_back(task)
                 except Exception as error:  # noqa: BLE001 - tried again at the next probe
-                    logger.warning(
-                        "tf_diffmap: %s serves again but did not rejoin: %s", task, error
-                    )
+                    logger.warning("%s serves again but did not rejoin: %s", task, error)
                     continue
                 with self._lock:
                     self._lost.discard(task)
@@ -449,7 +447,7 @@ class FaultHandler:
             return "failed", lost_replicas_error(tasks, error)
         if first:
             logger.warning(
-                "tf_diffmap: worker %s is unreachable (%s); its replicas %s are lost and "
+                "worker %s is unreachable (%s); its replicas %s are lost and "
                 "training goes on with the others. They rejoin when it serves again.",
                 fault.task,
                 short_message(error),
@@ -467,7 +465,7 @@ class FaultHandler:
                 self._reports[r] = dataclasses.replace(
                     self._reports[r], state="running", since=time.time()
                 )
-        logger.warning("tf_diffmap: worker %s serves again; replicas %s rejoined.", task, replicas)
+        logger.warning("worker %s serves again; replicas %s rejoined.", task, replicas)
 
     def lost(self) -> set[int]:
         with self._lock:

@@ -39,8 +39,10 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from tf_diffmap import _tf_internal
 from tf_diffmap import staleness as rules
 from tf_diffmap.step import current_step
+from tf_diffmap.store import optimizer_outside_scope_message
 
 __all__ = ["AsyncOptimizer", "heavy_ball_momentum"]
 
@@ -256,7 +258,12 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
-        self._num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        strategy = tf.distribute.get_strategy()
+        for optimizer in (self, self.inner_optimizer):
+            created_under = _tf_internal.optimizer_strategy(optimizer)
+            if created_under is not None and created_under is not strategy:
+                raise ValueError(optimizer_outside_scope_message(optimizer))
+        self._num_replicas = strategy.num_replicas_in_sync
         if self.rule == "dc":
             self._mean_squares = {
                 id(v): self.add_variable_from_reference(v, name="dc_mean_square") for v in var_list

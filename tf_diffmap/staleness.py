@@ -44,7 +44,8 @@ class StalenessStats:
             the last bin counts that staleness and everything above it.
             Dropped updates are counted here too.
         lr_scale_sum: per replica, the sum over applied updates of the factor
-            a staleness rule applied to the learning rate.
+            a staleness rule applied to the learning rate; None where no rule
+            scales it (the factor is then 1, and not printed).
         examples: per replica, the examples its updates (applied or dropped)
             were computed on.
         abandoned: claimed versions whose step never completed (interrupted
@@ -170,7 +171,7 @@ class StalenessStats:
                 + (f", dropped {int(self.dropped[r])}" if self.dropped[r] else "")
                 + (
                     f", learning-rate factor {self.mean_lr_scale[r]:.2f}"
-                    if self.updates[r] and abs(self.mean_lr_scale[r] - 1.0) > 1e-6
+                    if self.lr_scale_sum is not None and self.updates[r]
                     else ""
                 )
             )

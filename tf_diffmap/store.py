@@ -27,7 +27,12 @@ from tf_diffmap import _tf_internal
 from tf_diffmap.devices import host_cpu
 from tf_diffmap.staleness import StalenessStats
 
-__all__ = ["ParameterStore", "counters_as_stats", "outside_scope_message"]
+__all__ = [
+    "ParameterStore",
+    "counters_as_stats",
+    "optimizer_outside_scope_message",
+    "outside_scope_message",
+]
 
 _VERSION_LIMIT = np.iinfo(np.int64).max
 # Columns of `ParameterStore.counters`.
@@ -108,6 +113,32 @@ def outside_scope_message(variable, in_store: bool) -> str:
     )
 
 
+def optimizer_outside_scope_message(optimizer: object | None = None) -> str:
+    """What to say when an optimizer created outside the scope trains inside it.
+
+    Keras makes an optimizer's variables (its iteration count, momentum,
+    moments) under the strategy that was current when the optimizer was
+    created; TensorFlow's own errors then speak of nested or mixed
+    strategies, though the user nested nothing.
+
+    Args:
+        optimizer: the optimizer, when known (its class is named).
+    """
+    what = (
+        f"The optimizer ({type(optimizer).__name__})"
+        if optimizer is not None
+        else "A Keras object, most often the optimizer,"
+    )
+    return (
+        f"{what} was created outside this tf_diffmap.Strategy's scope and is "
+        "used by a model built inside it: Keras makes an optimizer's variables "
+        "under the strategy that was current when the optimizer was created. "
+        "Create the optimizer inside `with strategy.scope():`, beside the model, "
+        "for example `model.compile(optimizer=tf_diffmap.AsyncOptimizer("
+        "keras.optimizers.SGD(0.1)), ...)` there."
+    )
+
+
 class ParameterStore:
     """Where the authoritative copy of every variable lives.
 
@@ -169,6 +200,9 @@ class ParameterStore:
             self.lr_scale_sum = tf.Variable(
                 tf.zeros([num_replicas], tf.float64), trainable=False, name="lr_scale_sum"
             )
+        # Whether any traced step scales its learning rate (an AsyncOptimizer
+        # rule): the statistics report a learning-rate factor only then.
+        self.scales_learning_rate = False
 
     # -- placement ------------------------------------------------------------
 
@@ -363,6 +397,8 @@ class ParameterStore:
             )
             if lr_scale is None:
                 lr_scale = tf.constant(1.0, tf.float64)
+            else:
+                self.scales_learning_rate = True
             scale = tf.cast(lr_scale, tf.float64) * tf.cast(applied, tf.float64)
             return tf.group(
                 self.counters.scatter_nd_add(cells, values),
@@ -381,7 +417,7 @@ class ParameterStore:
             int(_read(self.version)),
             counters,
             staleness_max=_read(self.staleness_max),
-            lr_scale_sum=_read(self.lr_scale_sum),
+            lr_scale_sum=_read(self.lr_scale_sum) if self.scales_learning_rate else None,
             abandoned=self.abandoned,
         )
 

@@ -27,6 +27,7 @@ Keras' graph, on the first replica device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
@@ -50,7 +51,11 @@ from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.snapshots import CounterSnapshots
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
-from tf_diffmap.store import ParameterStore, outside_scope_message
+from tf_diffmap.store import (
+    ParameterStore,
+    optimizer_outside_scope_message,
+    outside_scope_message,
+)
 from tf_diffmap.workers import ReplicaState
 
 __all__ = ["Strategy", "current_step"]
@@ -317,16 +322,19 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 self._store.complete(0, self._store.claims_of(0) - before)
         return outputs
 
-    @staticmethod
-    def _check_optimizer(target) -> None:
+    def _check_optimizer(self, target) -> None:
         """Refuses what a Keras model's optimizer does that cannot be async.
 
-        A dynamic loss scale is read once per replica step: the step scales
+        An optimizer created outside the scope would make its variables
+        under another strategy. A dynamic loss scale is read once per replica step: the step scales
         its loss with it and must unscale its gradient by the same value,
         though other replicas may halve or double it in between.
         """
         optimizer = getattr(getattr(target, "__self__", None), "optimizer", None)
         while optimizer is not None:
+            created_under = _tf_internal.optimizer_strategy(optimizer)
+            if created_under is not None and created_under is not self._container_strategy():
+                raise ValueError(optimizer_outside_scope_message(optimizer))
             scale = getattr(getattr(optimizer, "dynamic_scale", None), "value", None)
             if isinstance(scale, _tf_internal.StoreVariable):
                 scale.snapshot_in_steps()
@@ -639,6 +647,23 @@ class Strategy(_tf_internal.StrategyBase):
                 colocate_cpu_replicas,
             )
         )
+
+    @contextlib.contextmanager
+    def scope(self):
+        """`tf.distribute.Strategy.scope`, with a clear error for a foreign optimizer.
+
+        Keras builds a model's optimizer inside this scope when `fit` starts;
+        an optimizer created before the scope was entered makes its variables
+        under another strategy there, which TensorFlow refuses with an error
+        about mixed strategies.
+        """
+        with super().scope():
+            try:
+                yield
+            except RuntimeError as error:
+                if _tf_internal.is_mixed_strategy_error(error):
+                    raise ValueError(optimizer_outside_scope_message()) from error
+                raise
 
     # -- what a user reads ----------------------------------------------------
 
