@@ -12,7 +12,7 @@ import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
 
 
-def trained(tmp_path):
+def trained(tmp_path, optimizer=lambda: "adam"):
     x, y = classification_data(256)
     strategy = tf_diffmap.Strategy()
     with strategy.scope():
@@ -20,7 +20,7 @@ def trained(tmp_path):
         h = keras.layers.Dense(16, activation="relu")(inputs)
         h = keras.layers.BatchNormalization()(h)
         model = keras.Model(inputs, keras.layers.Dense(2)(h))
-        compile_logits(model)
+        compile_logits(model, optimizer())
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
     return strategy, model, x, y
 
@@ -49,6 +49,75 @@ def test_keras_file_round_trip_and_load_without_the_package(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "loaded without tf_diffmap" in result.stdout
+
+
+def test_keras_file_with_async_optimizer_loads_as_the_readme_says(tmp_path):
+    """A `.keras` file names its optimizer's class: without tf_diffmap it
+    loads with `compile=False` (and Keras' error names the module to import);
+    with `import tf_diffmap` first it loads whole, AsyncOptimizer and all."""
+    _, model, x, _ = trained(
+        tmp_path,
+        lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)),
+    )
+    path = tmp_path / "async.keras"
+    model.save(path)
+    np.save(tmp_path / "x.npy", x[:16])
+    np.save(tmp_path / "expected.npy", model.predict(x[:16], verbose=0))
+    check = textwrap.dedent(
+        f"""
+        got = model.predict(np.load({str(tmp_path / "x.npy")!r}), verbose=0)
+        np.testing.assert_allclose(got, np.load({str(tmp_path / "expected.npy")!r}), rtol=1e-5)
+        """
+    )
+    without = (
+        textwrap.dedent(
+            f"""
+        import sys, numpy as np, keras
+        try:
+            keras.models.load_model({str(path)!r})
+        except TypeError as error:
+            assert "tf_diffmap.optimizer" in str(error), error
+            assert "AsyncOptimizer" in str(error), error
+        else:
+            raise AssertionError("loaded an AsyncOptimizer without tf_diffmap")
+        model = keras.models.load_model({str(path)!r}, compile=False)
+        """
+        )
+        + check
+        + textwrap.dedent(
+            """
+        assert "tf_diffmap" not in sys.modules
+        print("predicts without tf_diffmap")
+        """
+        )
+    )
+    whole = (
+        textwrap.dedent(
+            f"""
+        import numpy as np, keras, tf_diffmap
+        model = keras.models.load_model({str(path)!r})
+        """
+        )
+        + check
+        + textwrap.dedent(
+            """
+        optimizer = model.optimizer
+        assert isinstance(optimizer, tf_diffmap.AsyncOptimizer), optimizer
+        assert optimizer.rule == "linear", optimizer.rule
+        assert float(optimizer.inner_optimizer.momentum) == 0.9
+        print("loads whole with tf_diffmap")
+        """
+        )
+    )
+    for script, expected in (
+        (without, "predicts without tf_diffmap"),
+        (whole, "loads whole with tf_diffmap"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert expected in result.stdout
 
 
 def test_checkpoint_round_trip_restores_model_and_optimizer(tmp_path):
