@@ -474,6 +474,59 @@ def test_a_second_fit_reads_its_own_dataset_on_the_workers(tmp_path):
     assert report["point_updates"] == report["fit_updates"] == 64 * 2
 
 
+VALIDATION_CLIENT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import keras, numpy as np
+    from tf_diffmap import cluster
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    vx, vy = x[:192] + 0.5, y[:192]  # not the training data
+    with cluster.LocalCluster(workers=2, ps=1) as local:
+        strategy = cluster.strategy_for_cluster(local.resolver())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        seen = []
+        record = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: seen.append(logs["val_loss"]))
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0,
+                            validation_data=(vx, vy), callbacks=[record])
+        report = {
+            "history": history.history,
+            "callback_val_loss": seen,
+            "evaluate": model.evaluate(vx, vy, verbose=0),
+            "examples": int(strategy.statistics().examples.sum()),
+        }
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.mark.slow
+def test_validation_figures_on_a_cluster_are_evaluates(tmp_path):
+    """`fit(validation_data=...)` evaluates the validation data on the chief,
+    as `evaluate` does, and every epoch trains on the training data."""
+    report = run_chief(VALIDATION_CLIENT, tmp_path)
+    history = report["history"]
+    assert len(history["val_loss"]) == 3
+    assert report["callback_val_loss"] == history["val_loss"]
+    assert all(loss > 0 for loss in history["val_loss"]), history
+    assert all(0.5 < accuracy <= 1 for accuracy in history["val_accuracy"]), history
+    # The last epoch's validation is evaluate's, on the same (trained) weights.
+    loss, accuracy = report["evaluate"]
+    assert history["val_loss"][-1] == pytest.approx(loss, rel=1e-4)
+    assert history["val_accuracy"][-1] == pytest.approx(accuracy, abs=1e-6)
+    # The validation data never became the workers' training input.
+    assert report["examples"] == 3 * 512
+
+
 FUNCTION_CLIENT = textwrap.dedent(
     """
     import json, os

@@ -37,7 +37,10 @@ def for_keras_inference() -> bool:
     cross from the chief; evaluation and prediction run synchronously on the
     chief and need the batches themselves. Keras asks the strategy for a
     distributed dataset from its epoch iterator, made in `fit`, `evaluate`
-    or `predict`: the nearest of these on the caller's stack decides.
+    or `predict`: the nearest of these on the caller's stack decides. `fit`
+    makes two: its training data's first, then, once its training iterator
+    (its local `epoch_iterator`) exists, the validation data's, which
+    `evaluate` reads.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -47,7 +50,7 @@ def for_keras_inference() -> bool:
             if name in ("evaluate", "predict"):
                 return True
             if name == "fit":
-                return False
+                return "epoch_iterator" in frame.f_locals
         frame = frame.f_back
     return False
 
