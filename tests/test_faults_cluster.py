@@ -31,6 +31,13 @@ CHIEF = textwrap.dedent(
 
     scenario, workers = sys.argv[1], int(sys.argv[2])
     report = {}
+    # What a user's logging shows (basicConfig's format), from the package.
+    import logging
+    warnings = []
+    handler = logging.Handler()
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    handler.emit = lambda record: warnings.append(handler.format(record))
+    logging.getLogger("tf_diffmap").addHandler(handler)
     with cluster.LocalCluster(workers=workers, ps=1) as local:
         strategy = cluster.strategy_for_cluster(local.resolver())
         x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
@@ -58,6 +65,9 @@ CHIEF = textwrap.dedent(
                         local.restart("worker", 1)
                 if scenario.startswith("rejoin") and (epoch, batch) == (0, 10):
                     local.kill("worker", 1)
+                if scenario == "lost_before_fit" and (epoch, batch) == (0, 30):
+                    report["steps_before_restart"] = strategy.replica_steps()
+                    local.restart("worker", 1)
                 if scenario.startswith("rejoin") and (epoch, batch) == (0, 30):
                     report["steps_before_restart"] = strategy.replica_steps()
                     local.restart("worker", 1)
@@ -73,6 +83,16 @@ CHIEF = textwrap.dedent(
                 if scenario == "between_steps" and epoch == 0:
                     local.kill("worker", workers - 1)
 
+        if scenario == "lost_before_fit":
+            # Worker 1 is lost in a fit before and still down when the next starts.
+            class Kill(keras.callbacks.Callback):
+                def on_train_batch_end(self, batch, logs=None):
+                    if batch == 10:
+                        local.kill("worker", 1)
+
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Kill()])
+            report["first_fit_version"] = strategy.version
+            report["states_between"] = [r.state for r in strategy.replica_states()]
         if scenario.endswith("_after_fit"):
             # A fit before: the next fit distributes its dataset anew, with
             # new pipelines on the workers.
@@ -102,6 +122,7 @@ CHIEF = textwrap.dedent(
         report["states"] = [
             (r.state, r.lost, r.error is not None) for r in strategy.replica_states()
         ]
+    report["warnings"] = warnings
     print(json.dumps(report))
     os._exit(0)  # a lost ps leaves the runtime's own threads behind
     """
@@ -144,6 +165,11 @@ def test_a_killed_worker_costs_no_update_and_training_goes_on(scenario, tmp_path
     assert last[1] - first[1] <= 2 * BATCHES // 10
     assert last[0] - first[0] >= (EPOCHS - 1) * BATCHES * 2 - 2 * BATCHES // 10
     assert report["states"][1][:2] == ["lost", 1] and report["states"][1][2]
+    # One warning names the lost worker, with one prefix, as basicConfig shows it.
+    lost = [w for w in report["warnings"] if "unreachable" in w]
+    assert len(lost) == 1, report["warnings"]
+    assert lost[0].startswith("WARNING:tf_diffmap:worker /job:worker/replica:0/task:1 "), lost
+    assert lost[0].count("tf_diffmap") == 1, lost
 
 
 def test_two_workers_killed_leave_one_that_trains(tmp_path):
@@ -180,6 +206,22 @@ def test_a_worker_restarted_during_a_second_fit_rejoins(tmp_path):
     before = report["steps_before_restart"][1]
     assert report["steps"][1] > before + BATCHES // 4, report
     assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1, report
+
+
+def test_a_fit_started_while_a_worker_is_down_trains_and_the_worker_rejoins(tmp_path):
+    """A worker lost in one fit and still down when the next starts: that fit
+    builds input on the live workers only, trains on them, and builds the
+    lost worker's input when it is restarted and rejoins."""
+    report = run_chief("lost_before_fit", 2, tmp_path)
+    assert report.get("finished"), report
+    assert report["states_between"] == ["stopped", "lost"]
+    assert report["first_fit_version"] >= BATCHES * 2 - 2
+    before = report["steps_before_restart"]
+    assert before[1] <= BATCHES // 2, report  # lost until restarted
+    assert report["steps"][1] > before[1] + BATCHES // 4, report  # trains again
+    assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1, report
+    assert sum(report["steps"]) + report["abandoned"] == (EPOCHS + 1) * BATCHES * 2
+    assert report["version"] == sum(report["steps"]) + report["abandoned"]
 
 
 def test_a_killed_ps_is_an_unavailable_error_naming_it(tmp_path):

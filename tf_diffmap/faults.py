@@ -49,6 +49,7 @@ __all__ = [
     "Rejoiner",
     "classify",
     "named_tasks",
+    "task_name",
     "restated",
     "lost_ps_error",
     "lost_replicas_error",
@@ -363,7 +364,8 @@ def _address_of(task: str) -> str | None:
     return _tf_internal.cluster_addresses().get(task)
 
 
-def _task_of(device: str) -> str:
+def task_name(device: str) -> str:
+    """The task a device belongs to, `/job:<job>/replica:0/task:<N>`."""
     return device.split("/device:")[0]
 
 
@@ -409,7 +411,7 @@ class FaultHandler:
         )
 
     def replicas_of(self, task: str) -> list[int]:
-        return [r for r, d in enumerate(self.replica_devices) if _task_of(d) == task]
+        return [r for r, d in enumerate(self.replica_devices) if task_name(d) == task]
 
     def verdict(self, replica_id: int, error: BaseException) -> tuple[str, BaseException | None]:
         """What a replica's error means: (next state, error to raise or None)."""
@@ -422,7 +424,7 @@ class FaultHandler:
                 self.ps_lost = self.ps_lost or fault
             self.rejoiner.stop(timeout=0)
             return "failed", lost_ps_error(fault, error)
-        if fault.task != _task_of(device):
+        if fault.task != task_name(device):
             now = time.monotonic()
             with self._lock:
                 recent = [t for t in self._retries.get(replica_id, []) if now - t < RETRY_WINDOW]
@@ -441,7 +443,7 @@ class FaultHandler:
                         report, state="lost", since=time.time(), error=error, lost=report.lost + 1
                     )
             everything = len(self._lost) == len(self.replica_devices)
-            tasks = sorted({_task_of(self.replica_devices[r]) for r in self._lost})
+            tasks = sorted({task_name(self.replica_devices[r]) for r in self._lost})
         if everything:
             self.rejoiner.stop(timeout=0)
             return "failed", lost_replicas_error(tasks, error)

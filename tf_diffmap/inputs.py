@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import tensorflow as tf
 
@@ -116,11 +116,18 @@ class WorkerInput:
     pipeline repeats, so that a fast worker never runs dry; the epoch is
     counted on the chief, in tokens.
 
+    A worker task that is lost when the input is made gets no pipeline: its
+    replicas are not running, and building one there would fail. Its
+    pipeline is built when it rejoins (`rebuild`). With a dataset function,
+    a lost worker's share of the steps is taken to be the mean of the live
+    workers' shares.
+
     Args:
         worker_hosts: per replica, the CPU device of its worker task.
         dataset: a dataset of global batches, or None with `dataset_fn`.
         dataset_fn: `InputContext -> tf.data.Dataset` of per-replica batches.
         failed: the strategy's failure flag (ends the chief's tokens).
+        lost: the worker tasks (`/job:worker/replica:0/task:<N>`) lost now.
     """
 
     def __init__(
@@ -129,11 +136,17 @@ class WorkerInput:
         failed: tf.Variable,
         dataset: tf.data.Dataset | None = None,
         dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset] | None = None,
+        lost: Collection[str] = (),
     ):
         self.worker_hosts = list(worker_hosts)
         self.workers = list(dict.fromkeys(self.worker_hosts))
         num_replicas = len(self.worker_hosts)
         num_workers = len(self.workers)
+        live = [
+            i
+            for i, host in enumerate(self.workers)
+            if not any(host.startswith(task + "/") for task in lost)
+        ]
         self._dataset_fn = dataset_fn
         self._graph = None
         if dataset is not None:
@@ -156,27 +169,26 @@ class WorkerInput:
                     "strategy.distribute_datasets_from_function(lambda context: ...) "
                     "(see the README, 'Where the input is built')."
                 ) from error
-            self.datasets = [self._pipeline(index) for index in range(num_workers)]
+            self.datasets = [self._pipeline(i) if i in live else None for i in range(num_workers)]
             cardinality = int(dataset.cardinality())
             if cardinality == tf.data.UNKNOWN_CARDINALITY:
                 # Counted once, on the chief (one pass over the pipeline).
                 cardinality = int(dataset.reduce(0, lambda count, _: count + 1))
             steps = None if cardinality == tf.data.INFINITE_CARDINALITY else cardinality
         else:
-            steps_total = 0
-            self.datasets = []
-            for index in range(num_workers):
-                made, cardinality = self._made_by_function(index)
-                self.datasets.append(made)
-                if cardinality < 0:
-                    steps_total = None
-                elif steps_total is not None:
-                    steps_total += cardinality
-            element_spec = self.datasets[0].element_spec
-            steps = None if steps_total is None else -(-steps_total // num_replicas)
+            self.datasets = [None] * num_workers
+            cardinalities = []
+            for index in live:
+                self.datasets[index], cardinality = self._made_by_function(index)
+                cardinalities.append(cardinality)
+            element_spec = self.datasets[live[0]].element_spec
+            steps = None
+            if min(cardinalities) >= 0:
+                steps_total = sum(cardinalities) * num_workers / len(live)
+                steps = -(-round(steps_total) // num_replicas)
         # What the workers' iterators yield (per-replica batches).
-        self.element_spec = self.datasets[0].element_spec
-        self.iterators = [self._iterator(index) for index in range(num_workers)]
+        self.element_spec = self.datasets[live[0]].element_spec
+        self.iterators = [self._iterator(i) if i in live else None for i in range(num_workers)]
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
         token = tf.nest.map_structure(_empty_batch, element_spec)
         ticks = tf.data.Dataset.from_tensors(token)

@@ -456,14 +456,16 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if dataset in self._made_here:
             return dataset
         if self.worker_hosts is not None and not inputs.for_keras_inference():
-            self._worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, dataset=dataset)
+            self._worker_input = inputs.WorkerInput(
+                self.worker_hosts, self.failed, dataset=dataset, lost=self.lost_tasks()
+            )
             return self._distributed(self._worker_input.tokens)
         return self._distributed(inputs.host_dataset(dataset, self.failed))
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if self.worker_hosts is not None:
             self._worker_input = inputs.WorkerInput(
-                self.worker_hosts, self.failed, dataset_fn=dataset_fn
+                self.worker_hosts, self.failed, dataset_fn=dataset_fn, lost=self.lost_tasks()
             )
             return self._distributed(self._worker_input.tokens)
         context = tf.distribute.InputContext(
@@ -477,6 +479,10 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 self.failed,
             )
         )
+
+    def lost_tasks(self) -> set[str]:
+        """The worker tasks whose replicas are lost now."""
+        return {faults.task_name(self.replica_devices[r]) for r in self.faults.lost()}
 
     def worker_input_for(self, specs) -> inputs.WorkerInput | None:
         """The input on the workers that a new program reads, if any.
