@@ -1,5 +1,7 @@
 """Errors reach the caller as raised; nothing hangs; no thread is left."""
 
+import logging
+import threading
 import time
 
 import keras
@@ -324,3 +326,83 @@ def test_a_claim_marked_and_cut_off_before_it_is_made_gets_its_version():
     assert strategy.version == 1 and strategy.statistics().abandoned == 1
     assert int(store.read_version().numpy()) == 1  # reads see every version settled
     assert store.settle_abandoned() == 0
+
+
+class HangOnce(keras.layers.Layer):
+    """Passes its input on; once armed, the first step through it waits on a
+    queue until `release` (a native wait, which holds no thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = threading.Event()
+        self.claimed = []
+        self._claim_lock = threading.Lock()
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self.gate = tf.queue.FIFOQueue(1, [tf.float32], shapes=[[]])
+
+    def _claim(self):
+        with self._claim_lock:
+            if self.armed.is_set() and not self.claimed:
+                self.claimed.append(threading.current_thread().name)
+                return True
+            return False
+
+    def call(self, x):
+        block = tf.py_function(self._claim, [], tf.bool)
+        block.set_shape([])
+        waited = tf.cond(block, self.gate.dequeue, lambda: tf.constant(0.0))
+        return x + waited
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def release(self):
+        self.gate.enqueue(tf.constant(0.0))
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_that_hangs_is_lost_past_worker_timeout_and_rejoins_when_it_answers(caplog):
+    """A step that does not answer holds its shard past `worker_timeout`
+    while the others wait at the end of the epoch: its replica is reported
+    lost, the fit ends without it, and once it answers its shard is applied
+    once and the replica trains again."""
+    timeout = 2.0
+    x, y = classification_data(1024)
+    strategy = tf_diffmap.Strategy(worker_timeout=timeout)
+    with strategy.scope():
+        hang = HangOnce()
+        model = keras.Sequential(
+            [keras.Input((8,)), hang, keras.layers.Dense(16, "relu"), keras.layers.Dense(2)]
+        )
+        compile_logits(model)
+    started = time.monotonic()
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    unhung = time.monotonic() - started
+    shards = 1024 // 64 * 4
+    assert strategy.version == shards
+    hang.armed.set()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tf_diffmap"):
+        model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    hung_fit = time.monotonic() - started
+    assert len(hang.claimed) == 1
+    # Two epochs without the hung step, one wait of the timeout, and room
+    # for the monitor's look and a busy host.
+    assert hung_fit < 2 * unhung + timeout + 15.0
+    lost = [r.replica for r in strategy.replica_states() if r.state == "lost"]
+    assert len(lost) == 1
+    warnings = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+    assert len(warnings) == 1 and f"replica {lost[0]} " in warnings[0]
+    assert strategy.version == 3 * shards - 1  # the held shard is not applied yet
+    hang.release()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(r.state == "lost" for r in strategy.replica_states()):
+        time.sleep(0.05)
+    assert [r.state for r in strategy.replica_states() if r.state == "lost"] == []
+    strategy.drain()
+    assert strategy.version == 3 * shards  # applied once, when it answered
+    steps_before = strategy.replica_steps()[lost[0]]
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    assert strategy.replica_steps()[lost[0]] > steps_before
+    assert strategy.version == 4 * shards
+    assert wait_for_no_threads(strategy) == []

@@ -25,7 +25,7 @@ CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
 CHIEF = textwrap.dedent(
     """
-    import json, os, sys, threading, time
+    import json, os, signal, sys, threading, time
     import keras, numpy as np, tensorflow as tf
     from tf_diffmap import cluster
 
@@ -39,7 +39,8 @@ CHIEF = textwrap.dedent(
     handler.emit = lambda record: warnings.append(handler.format(record))
     logging.getLogger("tf_diffmap").addHandler(handler)
     with cluster.LocalCluster(workers=workers, ps=1) as local:
-        strategy = cluster.strategy_for_cluster(local.resolver())
+        options = {"worker_timeout": PAUSE_TIMEOUT} if scenario == "paused" else {}
+        strategy = cluster.strategy_for_cluster(local.resolver(), **options)
         x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
         y = (x.sum(axis=1) > 0).astype("int32")
         with strategy.scope():
@@ -74,11 +75,26 @@ CHIEF = textwrap.dedent(
                 if scenario == "ps" and (epoch, batch) == (1, 10):
                     report["killed_at"] = time.monotonic()
                     local.kill("ps", 0)
+                if scenario == "paused" and (epoch, batch) == (1, 0):
+                    # Paused, not dead: its connections stay open.
+                    os.kill(local.pids[("worker", 2)], signal.SIGSTOP)
                 if scenario == "all_lost" and (epoch, batch) == (0, 10):
                     report["killed_at"] = time.monotonic()
                     local.kill("worker", 0)
 
+            def on_epoch_begin(self, epoch, logs=None):
+                report.setdefault("epoch_began", []).append(time.monotonic())
+                if scenario == "paused" and epoch == 2:
+                    report["steps_at_resume"] = strategy.replica_steps()
+                    os.kill(local.pids[("worker", 2)], signal.SIGCONT)
+
             def on_epoch_end(self, epoch, logs=None):
+                report.setdefault("epoch_seconds", []).append(
+                    time.monotonic() - report["epoch_began"][-1]
+                )
+                report.setdefault("states_by_epoch", []).append(
+                    [r.state for r in strategy.replica_states()]
+                )
                 steps_by_epoch.append(strategy.replica_steps())
                 if scenario == "between_steps" and epoch == 0:
                     local.kill("worker", workers - 1)
@@ -108,6 +124,8 @@ CHIEF = textwrap.dedent(
             # fit clears __cause__ (Keras re-raises `from None`); this stays.
             details = getattr(error, "runtime_error", None)
             report["runtime_error"] = [type(details).__name__, str(details)]
+        if scenario == "paused":
+            os.kill(local.pids[("worker", 2)], signal.SIGCONT)  # resumed in any case
         time.sleep(1.5)  # the idle monitor's second
         report["threads"] = [
             t.name for t in threading.enumerate() if t.name.startswith("tf_diffmap")
@@ -129,18 +147,21 @@ CHIEF = textwrap.dedent(
 )
 
 EPOCHS, BATCHES = 4, 2048 // 32
+PAUSE_TIMEOUT = 5.0
 
 
-def run_chief(scenario: str, workers: int, tmp_path, timeout=240) -> dict:
+def run_chief(scenario: str, workers: int, tmp_path, timeout=240, log_level="3") -> dict:
     result = subprocess.run(
-        [sys.executable, "-c", CHIEF, scenario, str(workers)],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        [sys.executable, "-c", f"PAUSE_TIMEOUT = {PAUSE_TIMEOUT}\n{CHIEF}", scenario, str(workers)],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL=log_level),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report["stderr"] = result.stderr
+    return report
 
 
 def check_counts(report: dict, replicas: int) -> None:
@@ -157,7 +178,8 @@ def check_counts(report: dict, replicas: int) -> None:
 
 @pytest.mark.parametrize("scenario", ["between_steps", "mid_step"])
 def test_a_killed_worker_costs_no_update_and_training_goes_on(scenario, tmp_path):
-    report = run_chief(scenario, 2, tmp_path)
+    # With the runtime's errors shown (TF_CPP_MIN_LOG_LEVEL=2, as a user has it).
+    report = run_chief(scenario, 2, tmp_path, log_level="2")
     assert report.get("finished"), report
     check_counts(report, 2)
     # The survivor did the work of the epochs after the loss.
@@ -170,6 +192,11 @@ def test_a_killed_worker_costs_no_update_and_training_goes_on(scenario, tmp_path
     assert len(lost) == 1, report["warnings"]
     assert lost[0].startswith("WARNING:tf_diffmap:worker /job:worker/replica:0/task:1 "), lost
     assert lost[0].count("tf_diffmap") == 1, lost
+    if scenario == "between_steps":
+        # Lost after an epoch, once everything the package runs on its
+        # fault path is known to every task: the runtime has nothing of the
+        # package's to send the lost worker (register or remove).
+        assert "function remotely" not in report["stderr"], report["stderr"][-4000:]
 
 
 def test_two_workers_killed_leave_one_that_trains(tmp_path):
@@ -222,6 +249,28 @@ def test_a_fit_started_while_a_worker_is_down_trains_and_the_worker_rejoins(tmp_
     assert report["states"][1][0] == "stopped" and report["states"][1][1] == 1, report
     assert sum(report["steps"]) + report["abandoned"] == (EPOCHS + 1) * BATCHES * 2
     assert report["version"] == sum(report["steps"]) + report["abandoned"]
+
+
+def test_a_paused_worker_is_lost_past_the_timeout_and_rejoins_when_it_resumes(tmp_path):
+    """Worker 2 of 3 is stopped (SIGSTOP) at the start of epoch 1 and resumed
+    (SIGCONT) at the start of epoch 2: epoch 1 ends on the others within
+    `worker_timeout` of their own work, worker 2 is reported lost with one
+    warning, and it trains again once resumed; no update is lost or doubled."""
+    report = run_chief("paused", 3, tmp_path)
+    assert report.get("finished"), report
+    check_counts(report, 3)
+    first, paused = report["epoch_seconds"][:2]
+    # The others' work of epoch 1 (a third more each), the timeout, and
+    # room for a busy host.
+    assert paused < 2 * first + PAUSE_TIMEOUT + 10.0, report["epoch_seconds"]
+    assert report["states_by_epoch"][1][2] == "lost", report["states_by_epoch"]
+    hung = [w for w in report["warnings"] if "did not answer" in w]
+    assert len(hung) == 1, report["warnings"]
+    assert hung[0].startswith("WARNING:tf_diffmap:worker /job:worker/replica:0/task:2 "), hung
+    assert not [w for w in report["warnings"] if "unreachable" in w], report["warnings"]
+    assert report["states_by_epoch"][-1][2] != "lost", report["states_by_epoch"]
+    assert report["steps"][2] > report["steps_at_resume"][2] + BATCHES // 4, report
+    assert report["states"][2][:2] == ["stopped", 1], report["states"]
 
 
 def test_a_killed_ps_is_an_unavailable_error_naming_it(tmp_path):

@@ -228,3 +228,13 @@ def test_a_value_too_large_to_gain_travels_alone():
             used = [tf.reduce_sum(large) + tf.reduce_sum(s) for s in small]
     assert _tf_internal.pack_crossings(graph) == 2
     assert used[0].op.inputs[0].op.inputs[0] is large
+
+
+def test_a_dataset_s_traced_functions_are_found_through_its_inputs():
+    """What keeps a replaced input's functions registered on a cluster
+    while a worker is lost (`dataset_functions`, private `tf.data` API)."""
+    dataset = tf.data.Dataset.range(8).map(lambda x: x * 2).filter(lambda x: x > 2).batch(2)
+    functions = _tf_internal.dataset_functions(dataset)
+    assert len(functions) == 2  # the map's and the filter's, found through `batch`
+    assert all(isinstance(f, tf.types.experimental.ConcreteFunction) for f in functions)
+    assert _tf_internal.dataset_functions(tf.data.Dataset.range(3)) == []

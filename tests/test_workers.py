@@ -28,6 +28,8 @@ class Runner:
         self.steps = [0] * replicas
         self.failed = False
         self.loop_calls = 0
+        self.holding = [0] * replicas
+        self.fences: set[int] = set()
 
     def submit(self, tasks):
         with self.lock:
@@ -39,18 +41,35 @@ class Runner:
         with self.lock:
             self.loop_calls += 1
         taken = 0
-        while taken < max_steps:
+        while taken < max_steps and replica_id not in self.fences:
             item = self.items.get()
+            if replica_id in self.fences:
+                self.items.put(item)  # given back, untouched
+                break
             if item is STOP:
                 return taken, True
+            with self.lock:
+                self.holding[replica_id] = self.steps[replica_id] + 1
             if not self.failed:
                 item(replica_id)  # may raise: the loop call raises
                 with self.lock:
                     self.steps[replica_id] += 1
             with self.lock:
                 self.done += 1
+                self.holding[replica_id] = 0
             taken += 1
         return taken, False
+
+    def stamps(self):
+        with self.lock:
+            return list(self.holding)
+
+    def fence(self, replica_ids, fenced):
+        with self.lock:
+            if fenced:
+                self.fences.update(replica_ids)
+            else:
+                self.fences.difference_update(replica_ids)
 
     def pending(self):
         with self.lock:
@@ -67,6 +86,7 @@ class Runner:
     def release(self, replica_id, requeue):
         with self.lock:
             self.done += 1
+            self.holding[replica_id] = 0
         return True
 
     def drop_loop(self, replica_id, max_steps):
@@ -194,21 +214,20 @@ def test_error_is_handed_over_as_raised_and_nothing_blocks():
     assert loops.threads() == []
 
 
-def test_a_first_replica_takes_one_item_in_the_calling_thread_before_the_threads():
+def test_a_first_replica_takes_one_item_before_the_other_threads_start():
     runner, errors, loops = make(3)
     ran = []
 
     def task(replica):
-        ran.append((replica, threading.current_thread() is threading.main_thread()))
+        ran.append((replica, len(loops.threads())))
 
     runner.submit([task] * 6)
     runner.steps = [1, 0, 4]  # the replica with the most steps goes first
     loops.start(first=True)
     loops.wait_idle(failed=lambda: bool(errors))
     loops.stop()
-    # The first item ran on replica 2, here, before any thread took one.
-    assert ran[0] == (2, True)
-    assert all(not here for _, here in ran[1:]) and len(ran) == 6
+    # The first item ran on replica 2, its thread the only one then.
+    assert ran[0] == (2, 1) and len(ran) == 6
     assert not errors and runner.pending() == 0
     assert loops.states() == [ReplicaState.STOPPED] * 3
 
@@ -360,3 +379,239 @@ def test_a_lost_replica_gives_its_item_back_and_rejoins():
     with pytest.raises(RuntimeError, match="cannot go from stopped to rejoining"):
         with loops._lock:
             loops._move(0, ReplicaState.REJOINING)
+
+
+class Hangs:
+    """A `HangHandler` that records, and rejoins answered groups."""
+
+    def __init__(self):
+        self.loops = None
+        self.seen = []
+        self.answers = []
+
+    def group_of(self, replica_id):
+        return [replica_id]
+
+    def hung(self, replica_id, group, seconds):
+        self.seen.append((replica_id, list(group), seconds))
+
+    def answered(self, group):
+        self.answers.append(list(group))
+        self.loops.rejoin(group)
+
+
+def make_with_hangs(replicas, timeout, **kwargs):
+    runner = Runner(replicas)
+    hangs = Hangs()
+    errors = []
+
+    def on_error(replica_id, error):
+        errors.append(error)
+        return ReplicaState.FAILED
+
+    loops = ReplicaLoops(
+        runner,
+        replicas,
+        on_error,
+        name="loops-test",
+        worker_timeout=timeout,
+        hangs=hangs,
+        **kwargs,
+    )
+    hangs.loops = loops
+    return runner, hangs, errors, loops
+
+
+def until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def hang_once(release: threading.Event):
+    """Items of which the first one taken blocks until `release` is set."""
+    first = threading.Lock()
+    hung = []
+
+    def item(replica):
+        if first.acquire(blocking=False):
+            hung.append(replica)
+            release.wait()
+        else:
+            time.sleep(0.005)
+
+    return item, hung
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_replica_is_lost_past_the_timeout_and_rejoins_when_it_answers():
+    runner, hangs, errors, loops = make_with_hangs(3, timeout=0.5, steps_per_loop=4)
+    release = threading.Event()
+    item, hung_replica = hang_once(release)
+    runner.submit([item] * 30)
+    started = time.monotonic()
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    waited = time.monotonic() - started
+    # The others applied the other 29 and waited for the held one only
+    # until the timeout (plus the monitor's look and a busy host's delays).
+    assert runner.done == 29 and loops.excused() == 1 and runner.pending() == 1
+    assert waited < 0.5 + 5.0
+    (replica,) = hung_replica
+    assert [(r, g) for r, g, _ in hangs.seen] == [(replica, [replica])]
+    assert hangs.seen[0][2] >= 0.5
+    assert loops.states()[replica] is ReplicaState.LOST and replica in runner.fences
+    loops.stop()  # no STOP for the hung call, and no wait for it
+    assert loops.states().count(ReplicaState.STOPPED) == 2
+    # It answers: its shard is applied and counted, it takes nothing more,
+    # and its replica rejoins (stopped, as the loops are).
+    release.set()
+    assert until(lambda: hangs.answers == [[replica]])
+    assert until(lambda: loops.threads() == [])
+    assert runner.done == 30 and runner.pending() == 0 and loops.excused() == 0
+    assert loops.states() == [ReplicaState.STOPPED] * 3 and runner.fences == set()
+    assert runner.items.empty() and not errors
+    # The next round has every replica again.
+    runner.submit([lambda r: time.sleep(0.02)] * 30)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert runner.steps[replica] > 1 and runner.pending() == 0
+    loops.stop()
+    assert loops.threads() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_call_that_answers_while_the_loops_run_rejoins_them():
+    runner, hangs, errors, loops = make_with_hangs(2, timeout=0.3, steps_per_loop=2)
+    release = threading.Event()
+    item, hung_replica = hang_once(release)
+    runner.submit([item] * 10)
+    loops.start()
+    assert until(lambda: hangs.seen)
+    release.set()
+    assert until(lambda: hangs.answers)
+    (replica,) = hung_replica
+    assert loops.states()[replica] is ReplicaState.RUNNING
+    runner.submit([lambda r: time.sleep(0.01)] * 40)
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert runner.pending() == 0 and loops.excused() == 0 and runner.steps[replica] > 1
+    loops.stop()
+    assert loops.threads() == [] and not errors
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_step_is_not_a_hang_while_the_others_apply_shards():
+    runner, hangs, errors, loops = make_with_hangs(2, timeout=0.3)
+    slow = threading.Lock()
+
+    def item(replica):
+        time.sleep(1.5 if slow.acquire(blocking=False) else 0.02)
+
+    runner.submit([item] * 60)  # about 1.2 s of work for the other replica
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    assert runner.done == 60 and hangs.seen == [] and not errors
+
+
+@pytest.mark.timeout(60)
+def test_the_last_live_replica_is_waited_for():
+    runner, hangs, errors, loops = make_with_hangs(1, timeout=0.2)
+    runner.submit([lambda r: time.sleep(1.0)])
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    assert runner.done == 1 and hangs.seen == [] and loops.threads() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_call_whose_worker_is_lost_stays_lost_and_gives_its_item_back():
+    runner, hangs, errors, loops = make_with_hangs(2, timeout=0.3)
+    verdicts = []
+
+    def on_error(replica_id, error):
+        verdicts.append(replica_id)
+        return ReplicaState.LOST
+
+    loops._on_error = on_error
+    release = threading.Event()
+    first = threading.Lock()
+
+    def item(replica):
+        if first.acquire(blocking=False):
+            release.wait()
+            raise RuntimeError("worker gone")
+        time.sleep(0.005)
+
+    runner.submit([item] * 10)
+    loops.start()
+    loops.wait_idle(failed=lambda: False)
+    assert until(lambda: hangs.seen)
+    release.set()
+    assert until(lambda: verdicts)
+    assert until(lambda: loops.excused() == 0)
+    (replica,) = verdicts
+    assert hangs.answers == [] and loops.states()[replica] is ReplicaState.LOST
+    assert runner.done == 10 and runner.pending() == 0  # released as a failed call's
+    loops.stop()
+    assert loops.threads() == []
+    loops.rejoin([replica])  # as when it serves again
+    assert loops.states()[replica] is ReplicaState.STOPPED and runner.fences == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_first_call_that_hangs_holds_the_caller_up_to_the_timeout_only():
+    runner, hangs, errors, loops = make_with_hangs(3, timeout=0.5)
+    release = threading.Event()
+    item, hung_replica = hang_once(release)
+    runner.submit([item] * 12)
+    runner.steps = [0, 5, 1]
+    started = time.monotonic()
+    loops.start(first=True)
+    assert 0.5 <= time.monotonic() - started < 0.5 + 5.0
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert hung_replica == [1] and [r for r, _, _ in hangs.seen] == [1]
+    assert runner.done == 11 and loops.excused() == 1
+    loops.stop()
+    release.set()
+    assert until(lambda: hangs.answers == [[1]])
+    assert until(lambda: loops.threads() == [])
+    assert runner.pending() == 0 and loops.states() == [ReplicaState.STOPPED] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_hangs_holding_nothing_is_left_when_it_does_not_take_its_stop():
+    """A call blocked before it takes anything (its worker paused between
+    two items) holds no shard, so nothing waits for it until the loops
+    stop: a stop then waits `worker_timeout` for its STOP, not longer."""
+    runner, hangs, errors, loops = make_with_hangs(2, timeout=0.5)
+    release = threading.Event()
+    blocked = []
+    run_loop = runner.run_loop
+
+    def paused_run_loop(replica_id, max_steps):
+        if replica_id == 1 and not blocked:
+            blocked.append(True)
+            release.wait()
+        return run_loop(replica_id, max_steps)
+
+    runner.run_loop = paused_run_loop
+    runner.submit([lambda r: time.sleep(0.005)] * 20)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert runner.steps == [20, 0] and hangs.seen == []
+    started = time.monotonic()
+    loops.stop()
+    assert 0.5 <= time.monotonic() - started < 0.5 + 5.0
+    assert [(r, g) for r, g, _ in hangs.seen] == [(1, [1])] and loops.excused() == 0
+    assert loops.states() == [ReplicaState.STOPPED, ReplicaState.LOST]
+    release.set()  # it takes its STOP, or finds its fence, and answers
+    assert until(lambda: hangs.answers == [[1]])
+    assert until(lambda: loops.threads() == [])
+    runner.submit([lambda r: time.sleep(0.005)] * 20)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    loops.stop()
+    assert sum(runner.steps) == 40 and runner.pending() == 0 and not errors
+    assert loops.threads() == []

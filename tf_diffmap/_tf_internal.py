@@ -100,6 +100,9 @@ def compatibility_problems() -> list[str]:
         problems.append("tf.summary keeps its per-thread state elsewhere")
     if not callable(getattr(control_flow_util, "GraphOrParentsInXlaContext", None)):
         problems.append("control_flow_util.GraphOrParentsInXlaContext is gone")
+    for name in ("_functions", "_inputs"):
+        if not callable(getattr(tf.data.Dataset, name, None)):
+            problems.append(f"tf.data.Dataset.{name} is gone")
     if not hasattr(tf.raw_ops, "ResourceCountUpTo"):
         problems.append("tf.raw_ops.ResourceCountUpTo is gone")
     optimizer_classes = keras.optimizers.Optimizer.__mro__
@@ -577,6 +580,30 @@ def pack_crossings(graph) -> int:
 
 
 # -- the eager context's cluster (faults across hosts) -----------------------
+
+
+def dataset_functions(dataset) -> list:
+    """The traced functions a `tf.data.Dataset` and its inputs hold.
+
+    Each is registered in the eager context and, on a cluster, on every
+    remote task; once the last reference to it is gone, the context removes
+    it from every remote task too. Holding these keeps them registered.
+
+    Uses the private `DatasetV2._functions` and `_inputs`; returns what it
+    finds (nothing where a dataset lacks them).
+    """
+    found, seen, stack = [], set(), [dataset]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in getattr(current, "_functions", lambda: [])():
+            function = getattr(wrapper, "function", None)
+            if function is not None:
+                found.append(function)
+        stack.extend(getattr(current, "_inputs", lambda: [])())
+    return found
 
 
 def cluster_addresses() -> dict[str, str]:

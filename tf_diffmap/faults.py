@@ -21,6 +21,10 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
   serves again, it reconnects the cluster (`update_server_def`), rebuilds
   that worker's input pipeline and restarts its replicas (REJOINING, then
   RUNNING).
+- a **hung worker** (its calls neither fail nor return, `worker_timeout`;
+  detected by `workers.ReplicaLoops`): its replicas are LOST, with a
+  warning (`FaultHandler.hung`), until its calls answer, when they rejoin
+  (`FaultHandler.answered`); a hung worker that dies is lost as above.
 - **every replica lost**, and a **lost ps**: fatal. The loops stop, the input
   ends and the error is raised as `tf.errors.UnavailableError` naming the
   task(s), with the runtime's error as its `runtime_error` (and `__cause__`).
@@ -60,6 +64,9 @@ logger = logging.getLogger("tf_diffmap")
 
 # How often the rejoiner looks again at a lost worker.
 PROBE_SECONDS = 1.0
+# Seconds a replica may hold one shard while the others wait for it before
+# its worker counts as hung (`Strategy(worker_timeout=...)`).
+WORKER_TIMEOUT = 60.0
 # A replica whose calls fail this often within RETRY_WINDOW seconds because
 # of another task is failed, not retried again.
 RETRIES = 5
@@ -457,6 +464,50 @@ class FaultHandler:
             )
         self.rejoiner.watch(fault.task)
         return "lost", None
+
+    def group_of(self, replica_id: int) -> list[int]:
+        """The replicas that hang with one: its worker task's on a cluster."""
+        if not self.on_cluster:
+            return [replica_id]
+        return self.replicas_of(task_name(self.replica_devices[replica_id]))
+
+    def hung(self, replica_id: int, group: Sequence[int], seconds: float) -> None:
+        """A replica's call did not answer for `seconds` while the others
+        waited (it held a shard, or did not take its STOP): its group is lost
+        until it answers (one warning)."""
+        with self._lock:
+            self._lost.update(group)
+            for r in group:
+                report = self._reports[r]
+                self._reports[r] = dataclasses.replace(
+                    report, state="lost", since=time.time(), lost=report.lost + 1
+                )
+        device = self.replica_devices[replica_id]
+        where = (
+            f"worker {task_name(device)}" if self.on_cluster else f"replica {replica_id} ({device})"
+        )
+        logger.warning(
+            "%s did not answer for %.0f s (worker_timeout) while the others waited "
+            "for it; its replicas %s are treated as lost and training goes on with "
+            "the others. They rejoin when it answers.",
+            where,
+            seconds,
+            list(group),
+        )
+
+    def answered(self, group: Sequence[int]) -> None:
+        """Every hung call of a group answered: its replicas are back."""
+        with self._lock:
+            self._lost.difference_update(group)
+            for r in group:
+                self._reports[r] = dataclasses.replace(
+                    self._reports[r], state="running", since=time.time()
+                )
+        if self.on_cluster:
+            tasks = ", ".join(sorted({task_name(self.replica_devices[r]) for r in group}))
+            logger.warning("worker %s answers again; its replicas %s rejoined.", tasks, list(group))
+        else:
+            logger.warning("replica %s answers again and rejoined.", ", ".join(map(str, group)))
 
     def _back(self, task: str) -> None:
         replicas = self.replicas_of(task)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import tensorflow as tf
 
+from tf_diffmap import _tf_internal
+
 __all__ = ["WorkerInput", "group_replica_batches", "host_dataset"]
 
 
@@ -149,8 +151,12 @@ class WorkerInput:
         ]
         self._dataset_fn = dataset_fn
         self._graph = None
+        # The functions of the dataset given, which is rebuilt from its graph
+        # and not kept (see `functions`).
+        self._source_functions = []
         if dataset is not None:
             _check_dataset(dataset)
+            self._source_functions = _tf_internal.dataset_functions(dataset)
             element_spec = dataset.element_spec
             self._source_spec = element_spec
             self._per_replica = -(-_global_batch(dataset) // num_replicas)
@@ -218,7 +224,7 @@ class WorkerInput:
         with tf.device(self.workers[index]):
             return iter(self.datasets[index].prefetch(2))
 
-    def rebuild(self, task: str) -> None:
+    def rebuild(self, task: str, restarted: bool = True) -> None:
         """A fresh pipeline and iterator on a worker task that restarted.
 
         What the task held (its pipeline, its iterator's position) went down
@@ -226,15 +232,30 @@ class WorkerInput:
 
         Args:
             task: the worker task, `/job:worker/replica:0/task:<N>`.
+            restarted: False for a task that hung and answers again: only a
+                pipeline not built while it hung is built; one it has keeps
+                its position.
         """
         for index, host in enumerate(self.workers):
-            if host.startswith(task + "/"):
+            if host.startswith(task + "/") and (restarted or self.datasets[index] is None):
                 if self._graph is not None:
                     self.datasets[index] = self._pipeline(index)
                 else:
                     self.datasets[index] = self._made_by_function(index)[0]
                 self.iterators[index] = self._iterator(index)
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
+
+    def functions(self) -> list:
+        """The traced functions this input holds, the given dataset's included.
+
+        While they are held, the eager context does not remove them from
+        the remote tasks (`_tf_internal.dataset_functions`).
+        """
+        found = list(self._source_functions)
+        for dataset in [*self.datasets, self.tokens]:
+            if dataset is not None:
+                found.extend(_tf_internal.dataset_functions(dataset))
+        return found
 
     def iterator_for(self, replica_id: int):
         """The iterator of the replica's worker task."""

@@ -18,6 +18,11 @@ shard (taken, not yet counted), its replica's cell of `holding` is the step
 count its replica reaches once that shard's step completes: when a loop call
 fails, that says whether a shard went down with it, and whether its step
 had completed all the same (`HeldShard`).
+
+A replica's cell of `fences` set keeps its loop from taking anything more: a
+loop reads it before each take, and gives back, untouched, an item it took
+while fenced. The caller fences a replica whose call hangs (`ReplicaLoops`):
+the call may finish the shard it holds, if it ever answers, and then ends.
 """
 
 from __future__ import annotations
@@ -122,6 +127,9 @@ class ShardChannel:
             self.holding = tf.Variable(
                 tf.zeros([replicas], tf.int64), trainable=False, name=f"{name}_holding"
             )
+            self.fences = tf.Variable(
+                tf.zeros([replicas], tf.bool), trainable=False, name=f"{name}_fences"
+            )
 
     # -- in graphs ------------------------------------------------------------
 
@@ -187,6 +195,20 @@ class ShardChannel:
                 tf.reshape(replica_id, [1, 1]), tf.reshape(tf.cast(stamp, tf.int64), [1])
             )
 
+    def fenced(self, replica_id: tf.Tensor) -> tf.Tensor:
+        """Whether the replica is fenced off the queue (in a graph)."""
+        with tf.device(self.counter_device):
+            return self.fences.sparse_read(replica_id)
+
+    def give_back(self, replica_id: tf.Tensor, item: Sequence[tf.Tensor]) -> tf.Operation:
+        """Puts an item a fenced replica took back on the queue, uncounted."""
+        with tf.device(self.device):
+            queued = self.queue.enqueue(list(item))
+        with tf.control_dependencies([queued]), tf.device(self.counter_device):
+            return self.holding.scatter_nd_update(
+                tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
+            )
+
     def done(self, replica_id: tf.Tensor | None = None) -> tf.Operation:
         """Counts one taken shard as applied or dropped (and no longer held)."""
         with tf.device(self.counter_device):
@@ -212,25 +234,37 @@ class ShardChannel:
 
     # -- from Python ----------------------------------------------------------
 
-    def pending(self) -> int:
-        """Shards put and not yet applied or dropped (one consistent read)."""
+    def pending(self, excused: int = 0) -> int:
+        """Shards put and not yet applied or dropped (one consistent read),
+        less `excused`: shards held by fenced calls, which nobody waits for."""
         put, done = self.counts()
-        return max(put - done, 0)
+        return max(put - done - excused, 0)
 
     def counts(self) -> tuple[int, int]:
         """Shards put and shards done so far (one consistent read)."""
         put, done = self.progress.numpy()
         return int(put), int(done)
 
-    def settled(self) -> tf.Tensor:
-        """Whether every shard put has been applied or dropped (in a graph)."""
+    def settled(self, excused: tf.Tensor) -> tf.Tensor:
+        """Whether every shard put has been applied or dropped, but for
+        `excused` ones held by fenced calls (in a graph)."""
         with tf.device(self.counter_device):
             counts = self.progress.read_value()
-            return tf.equal(counts[_PUT], counts[_DONE])
+            return counts[_PUT] - counts[_DONE] <= excused
 
     def held(self, replica_id: int) -> int:
         """The stamp of the shard a replica's failed loop call held (0: none)."""
         return int(self.holding[replica_id])
+
+    def stamps(self) -> list[int]:
+        """Each replica's stamp of the shard it holds now (0: none)."""
+        return [int(s) for s in self.holding.numpy()]
+
+    def fence(self, replica_ids: Sequence[int], fenced: bool) -> None:
+        """Fences replicas off the queue, or lets them take again."""
+        if replica_ids:
+            indices = [[r] for r in replica_ids]
+            self.fences.scatter_nd_update(indices, [fenced] * len(replica_ids))
 
     def release(self, replica_id: int, requeue: bool) -> None:
         """Lets go of the shard a failed loop call held.
@@ -243,24 +277,52 @@ class ShardChannel:
         """
         self.holding.scatter_nd_update([[replica_id]], [0])
         if requeue:
-            with tf.device(self.device):
-                self.queue.enqueue([tf.constant(False), *self._empty()])
+            self._enqueue_empty(stop=False)
         else:
             self.progress.scatter_nd_add([[_DONE]], [1])
 
-    def resync(self) -> None:
-        """With no loop running and nothing queued: nothing is in flight."""
+    def resync(self, excused: int = 0) -> None:
+        """With no loop running and nothing queued: nothing is in flight but
+        the `excused` shards that fenced calls hold."""
         if int(self.queue.size()) == 0:
             put, done = self.progress.numpy()
-            if put != done:
-                self.progress.assign([done, done])
+            if put != done + excused:
+                self.progress.assign([done + excused, done])
 
     def send_stops(self, count: int) -> None:
         """Queues `count` STOP items, each with an empty shard."""
-        empty = self._empty()
+        for _ in range(count):
+            self._enqueue_empty(stop=True)
+
+    def _enqueue_empty(self, stop: bool) -> None:
         with tf.device(self.device):
-            for _ in range(count):
-                self.queue.enqueue([tf.constant(True), *empty])
+            self.queue.enqueue([tf.constant(stop), *self._empty()])
+
+    def prepare(self) -> None:
+        """Runs once, with no effect, each eager op of `held`, `release`,
+        `counts`, `stamps`, `fence`, `resync` and `send_stops`, while every
+        task serves.
+
+        The eager context runs an eager op as a function of its own, one
+        per op type and device, and sends that function to every remote
+        task the first time the op runs. Run first after a worker was lost
+        (these run when a loop call fails), each such op makes the runtime
+        log a "Failed to register function remotely" error for that worker;
+        run first while a worker is paused (a hung worker's watch), it waits
+        for that worker. Run here, before any loop starts, they are known to
+        every task already. Call only while no loop runs and nothing is
+        queued.
+        """
+        self.held(0)
+        self.counts()
+        self.stamps()
+        self.fence([0], False)
+        self.resync()
+        self.holding.scatter_nd_update([[0]], [0])  # 0 already: no loop holds a shard
+        self.progress.scatter_nd_add([[_DONE]], [0])
+        self._enqueue_empty(stop=True)
+        with tf.device(self.device):
+            self.queue.dequeue()  # The queue is as it was: empty.
 
     def _empty(self) -> list[tf.Tensor]:
         return [
@@ -316,20 +378,27 @@ def loop_function(
 
         claims_before, failed = start(replica_id())
 
-        # Each iteration takes one item, and a STOP ends the loop: at most
-        # `max_steps` iterations take at most `max_steps` shards. The bound is
-        # the loop's own counter, not one more value carried through it.
+        # Each iteration takes one item, and a STOP ends the loop, as does a
+        # fence: at most `max_steps` iterations take at most `max_steps`
+        # shards. The bound is the loop's own counter, not one more value
+        # carried through it.
         def cond(taken, stopped, claims):
-            return tf.logical_not(stopped)
+            return tf.logical_not(tf.logical_or(stopped, channel.fenced(replica_id())))
 
         def body(taken, stopped, claims):
             stop, item = channel.take()
+            # Read once the item is taken: a fence set while the take waited
+            # (for a queue that was empty) gives the item back.
+            with tf.control_dependencies([stop]):
+                fenced = channel.fenced(replica_id())
             # One conditional per item: a shard either runs or is passed
-            # by, and a STOP is passed by uncounted. A STOP's stamp is 0,
-            # which its replica's cell of `holding` already reads.
-            runs = tf.logical_not(tf.logical_or(stop, skip(item, failed)))
+            # by, a STOP is passed by uncounted, and a fenced replica gives
+            # back what it took. A STOP's stamp is 0, which its replica's
+            # cell of `holding` already reads.
+            passes = tf.logical_or(stop, fenced)
+            runs = tf.logical_not(tf.logical_or(passes, skip(item, failed)))
             stamped = tf.where(
-                stop, tf.constant(0, tf.int64), tf.cast(stamp(replica_id()), tf.int64)
+                passes, tf.constant(0, tf.int64), tf.cast(stamp(replica_id()), tf.int64)
             )
 
             def apply():
@@ -344,9 +413,22 @@ def loop_function(
                 with tf.control_dependencies([passed]):
                     return tf.identity(claims)
 
+            def give_back():
+                given = channel.give_back(replica_id(), [stop, *item])
+                with tf.control_dependencies([given]):
+                    return tf.identity(claims)
+
+            def let_go():
+                return tf.cond(fenced, give_back, pass_by)
+
             with tf.control_dependencies([channel.hold(replica_id(), stamped)]):
-                claims_after = tf.cond(runs, apply, pass_by)
-            return taken + tf.cast(tf.logical_not(stop), tf.int32), stop, claims_after
+                claims_after = tf.cond(runs, apply, let_go)
+            kept = tf.logical_not(passes)
+            return (
+                taken + tf.cast(kept, tf.int32),
+                tf.logical_and(stop, tf.logical_not(fenced)),
+                claims_after,
+            )
 
         taken, stopped, _ = tf.while_loop(
             cond,

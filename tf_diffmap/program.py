@@ -250,6 +250,8 @@ class Program:
                 name="tf_diffmap",
                 steps_per_loop=extended.steps_per_loop,
                 max_staleness=extended.max_staleness,
+                worker_timeout=extended.worker_timeout,
+                hangs=extended,
             )
 
     def _output_specs(self):
@@ -299,14 +301,16 @@ class Program:
                         name=f"{name}_output_{i}",
                     )
                 )
+        with tf.init_scope():
+            self.channel.prepare()
         self._trace_loops()
         with tf.device(host):
             self.drop_concrete = tf.function(
                 drop_function(self.channel), autograph=False
             ).get_concrete_function(tf.TensorSpec([], tf.int32))
 
-            def mark_if_settled():
-                settled = self.channel.settled()
+            def mark_if_settled(excused):
+                settled = self.channel.settled(excused)
 
                 def mark():
                     with tf.control_dependencies([self.fresh.assign(False, read_value=False)]):
@@ -316,7 +320,7 @@ class Program:
 
             self._mark_if_settled = tf.function(
                 mark_if_settled, autograph=False
-            ).get_concrete_function()
+            ).get_concrete_function(tf.TensorSpec([], tf.int64))
 
     def _trace_loops(self) -> None:
         """The replicas' loop functions, for the input they read now."""
@@ -386,6 +390,9 @@ class Program:
         traced = self.worker_input.element_spec
         self.worker_input = current
         if current.element_spec != traced:
+            if self.extended.lost_tasks():
+                # Dropped now, they would be removed from the lost worker too.
+                self.extended._kept_functions.extend(self.loop_concretes.values())
             self._trace_loops()
 
     def _sources(self, replica_id: int) -> list:
@@ -620,7 +627,7 @@ class Program:
         """
         if self.fresh is None:
             return True
-        if not bool(self._mark_if_settled()):
+        if not bool(self._mark_if_settled(tf.constant(self.loops.excused(), tf.int64))):
             return False
         self.extended.faults.pause()
         return True
@@ -640,7 +647,24 @@ class Program:
         return int(taken), bool(stopped)
 
     def pending(self) -> int:
+        """Shards queued or being applied (hung calls' included)."""
         return self.channel.pending()
+
+    def in_flight(self) -> int:
+        """Shards queued or being applied, but for those hung calls hold,
+        which nobody waits for."""
+        excused = self.loops.excused() if self.loops is not None else 0
+        return self.channel.pending(excused)
+
+    def resync(self) -> None:
+        """With no loop running: nothing in flight but what hung calls hold."""
+        self.channel.resync(self.loops.excused() if self.loops is not None else 0)
+
+    def stamps(self) -> list[int]:
+        return self.channel.stamps()
+
+    def fence(self, replica_ids, fenced: bool) -> None:
+        self.channel.fence(replica_ids, fenced)
 
     def progress(self) -> tuple[int, int]:
         return self.channel.counts()

@@ -75,8 +75,10 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         queue_size: int | None,
         steps_per_loop: int,
         colocate_cpu_replicas: bool,
+        worker_timeout: float | None = None,
     ):
         super().__init__(container_strategy)
+        self.worker_timeout = worker_timeout
         self.replica_devices = replica_devices
         # Where each replica's ops run (`devices.compute_device`): replicas
         # on the logical CPU devices of one task compute on its CPU:0,
@@ -102,6 +104,11 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         # input is built (see `tf_diffmap.cluster`).
         self.worker_hosts: list[str] | None = None
         self._worker_input: inputs.WorkerInput | None = None
+        # The functions of inputs replaced while a worker was lost, held
+        # until no worker is: dropped, each would be removed from every
+        # remote task, the lost one included (a "Failed to remove function
+        # remotely" error of the runtime).
+        self._kept_functions: list = []
         self._made_here: weakref.WeakSet = weakref.WeakSet()
         with tf.init_scope(), tf.device(self.client_host):
             # Set while a replica's error waits to be raised: the loops drop
@@ -136,7 +143,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         """Waits for every queued shard, stops the loops, raises an error."""
         drained = False
         for program in self._training_programs():
-            if program.loops.running() or program.pending():
+            if program.loops.running() or program.in_flight():
                 program.loops.wait_idle(failed=lambda: self._error is not None)
                 program.loops.stop()
                 program.mark_drained()
@@ -156,7 +163,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             return
         for program in self._training_programs():
             program.loops.stop()  # The failure flag is still set: they drop what is left.
-            program.channel.resync()
+            program.resync()
             program.mark_drained()
         # A failed step may have claimed a version without completing it.
         if self.faults.ps_lost is None:
@@ -183,12 +190,39 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         self.failed.assign(True)
         return ReplicaState.FAILED
 
-    def _rejoin(self, task: str, replica_ids: list[int]) -> None:
-        """A lost worker serves again (called from the rejoiner's thread)."""
-        if self._worker_input is not None:
-            self._worker_input.rebuild(task)
+    def _rejoin(self, task: str, replica_ids: list[int], restarted: bool = True) -> None:
+        """A lost worker serves again (called from the rejoiner's thread), or
+        a hung one answers (`restarted` False; from its last call's thread)."""
+        if self._worker_input is not None and task:
+            self._worker_input.rebuild(task, restarted)
         for program in self._training_programs():
             program.loops.rejoin(replica_ids)
+        if not self.lost_tasks() - {task}:
+            # Every task serves (the rejoined one knows every function).
+            self._kept_functions.clear()
+
+    def _new_worker_input(self, **source) -> inputs.WorkerInput:
+        """A new input on the workers, which replaces the current one."""
+        lost = self.lost_tasks()
+        if not lost:
+            self._kept_functions.clear()
+        elif self._worker_input is not None:
+            self._kept_functions.extend(self._worker_input.functions())
+        self._worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
+        return self._worker_input
+
+    # -- hung replicas (`workers.HangHandler`) -----------------------------
+
+    def group_of(self, replica_id: int) -> list[int]:
+        return self.faults.group_of(replica_id)
+
+    def hung(self, replica_id: int, group, seconds: float) -> None:
+        self.faults.hung(replica_id, group, seconds)
+
+    def answered(self, group) -> None:
+        self.faults.answered(group)
+        task = faults.task_name(self.replica_devices[group[0]]) if self.faults.on_cluster else ""
+        self._rejoin(task, list(group), restarted=False)
 
     def replica_states(self) -> list[faults.ReplicaReport]:
         running = {r: "running" for r in range(len(self.replica_devices))}
@@ -204,7 +238,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def _drain_from_graph(self) -> None:
         """A drain asked for by a step in a graph (evaluate, predict)."""
-        in_flight = sum(p.pending() for p in self._training_programs())
+        in_flight = sum(p.in_flight() for p in self._training_programs())
         if in_flight and not self._graph_may_wait:
             raise RuntimeError(
                 f"A step that reads the whole model runs while {in_flight} "
@@ -223,7 +257,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def in_flight(self) -> int:
         """Shards queued or being applied, over every training program."""
-        return sum(p.pending() for p in self._training_programs())
+        return sum(p.in_flight() for p in self._training_programs())
 
     def replica_steps(self) -> list[int]:
         return self._store.steps_per_replica()
@@ -456,18 +490,16 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         if dataset in self._made_here:
             return dataset
         if self.worker_hosts is not None and not inputs.for_keras_inference():
-            self._worker_input = inputs.WorkerInput(
-                self.worker_hosts, self.failed, dataset=dataset, lost=self.lost_tasks()
-            )
-            return self._distributed(self._worker_input.tokens)
-        return self._distributed(inputs.host_dataset(dataset, self.failed))
+            return self._distributed(self._new_worker_input(dataset=dataset).tokens)
+        made = inputs.host_dataset(dataset, self.failed)
+        if self.lost_tasks():
+            # Its functions are removed from every task once Keras drops it.
+            self._kept_functions.extend(_tf_internal.dataset_functions(made))
+        return self._distributed(made)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         if self.worker_hosts is not None:
-            self._worker_input = inputs.WorkerInput(
-                self.worker_hosts, self.failed, dataset_fn=dataset_fn, lost=self.lost_tasks()
-            )
-            return self._distributed(self._worker_input.tokens)
+            return self._distributed(self._new_worker_input(dataset_fn=dataset_fn).tokens)
         context = tf.distribute.InputContext(
             num_input_pipelines=1,
             input_pipeline_id=0,
@@ -569,6 +601,15 @@ class Strategy(_tf_internal.StrategyBase):
             (about 40% of the CPU an update costs on a small model). False
             places each replica's ops on its own device, as a GPU replica's
             are, with those transfers.
+        worker_timeout: seconds a replica may hold one shard while the
+            others wait for it (at the end of an epoch, or held back by
+            `max_staleness`) before its worker is treated as hung: lost,
+            with a warning that names it, until its call answers, when it
+            rejoins. The default, 60 s, is far above one step of any model
+            this package trains on one device, so only a worker that is
+            paused or wedged (a stopped process, a stuck driver, a network
+            partition) reaches it, and it bounds what such a worker costs
+            the others: once, not at every epoch. `None` waits for ever.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an
@@ -595,6 +636,7 @@ class Strategy(_tf_internal.StrategyBase):
         queue_size: int | None = None,
         steps_per_loop: int = 32,
         colocate_cpu_replicas: bool = True,
+        worker_timeout: float | None = faults.WORKER_TIMEOUT,
     ):
         _tf_internal.check_compatibility()
         if (
@@ -624,6 +666,15 @@ class Strategy(_tf_internal.StrategyBase):
             raise ValueError(
                 f"colocate_cpu_replicas must be True or False, received {colocate_cpu_replicas!r}."
             )
+        if worker_timeout is not None and (
+            isinstance(worker_timeout, bool)
+            or not isinstance(worker_timeout, (int, float))
+            or not worker_timeout > 0
+        ):
+            raise ValueError(
+                "worker_timeout must be None (wait for a hung worker for ever) or a "
+                f"number of seconds > 0, received {worker_timeout!r}."
+            )
         if queue_size is not None and (not isinstance(queue_size, int) or queue_size < 1):
             raise ValueError(f"queue_size must be an int >= 1, received {queue_size!r}.")
         if devices is None:
@@ -651,6 +702,7 @@ class Strategy(_tf_internal.StrategyBase):
                 queue_size,
                 steps_per_loop,
                 colocate_cpu_replicas,
+                worker_timeout,
             )
         )
 

@@ -17,6 +17,16 @@ nothing that feeds the queue ever blocks on a failed replica. A LOST replica
 until `rejoin` starts one. Under `max_staleness` the thread asks for one
 shard at a time and only while its replica is within the bound of the
 slowest replica that is not lost.
+
+A replica whose loop call holds one shard for `worker_timeout` seconds while
+nothing else moves (the others wait for that shard, at the end of an epoch
+or under `max_staleness`) is *hung*: its worker was paused, or wedged,
+without dying. The idle monitor then fences it (and the other replicas of
+its worker) off the queue, and it becomes LOST: its thread is left to its
+call, and nobody waits for the shard it holds (it is *excused*). A hung
+call that answers finishes that shard (as any step would), takes nothing
+more, and ends; its replicas then rejoin. One whose worker turns out dead
+is lost as any other.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-__all__ = ["LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
+__all__ = ["HangHandler", "LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
 
 # How often blocked callers look again for errors, progress and idleness.
 POLL_SECONDS = 0.05
@@ -104,6 +114,28 @@ class LoopRunner(Protocol):
     def replica_steps(self) -> Sequence[int]:
         """Steps each replica has completed (the store's own count)."""
 
+    def stamps(self) -> Sequence[int]:
+        """Per replica, a stamp of the shard its loop call holds (0: none)."""
+
+    def fence(self, replica_ids: Sequence[int], fenced: bool) -> None:
+        """Keeps replicas' loop calls from taking more (or lets them again)."""
+
+
+class HangHandler(Protocol):
+    """What `ReplicaLoops` asks about replicas whose calls hang."""
+
+    def group_of(self, replica_id: int) -> Sequence[int]:
+        """The replicas that hang with this one (those of its worker task)."""
+
+    def hung(self, replica_id: int, group: Sequence[int], seconds: float) -> None:
+        """A replica's call did not answer for `seconds` while the others
+        waited (it held one shard, or did not take its STOP): its group is
+        lost (report and warn)."""
+
+    def answered(self, group: Sequence[int]) -> None:
+        """Every hung call of the group has answered: its replicas rejoin
+        (called from the last one's thread; `ReplicaLoops.rejoin` follows)."""
+
 
 class ReplicaLoops:
     """Threads running one program's replica loops, asynchronously.
@@ -121,6 +153,9 @@ class ReplicaLoops:
         max_staleness: Stale Synchronous Parallel bound: a replica does not
             start a step while it is more than this many completed steps ahead
             of the slowest replica. `None` means no bound.
+        worker_timeout: seconds a replica may hold one shard while nothing
+            else moves before it is treated as hung; `None`: never.
+        hangs: what to do about a hung replica (required with a timeout).
     """
 
     def __init__(
@@ -131,7 +166,11 @@ class ReplicaLoops:
         name: str = "tf_diffmap",
         steps_per_loop: int = 32,
         max_staleness: int | None = None,
+        worker_timeout: float | None = None,
+        hangs: HangHandler | None = None,
     ):
+        if worker_timeout is not None and hangs is None:
+            raise ValueError("A worker_timeout needs a HangHandler.")
         self.runner = runner
         self.num_replicas = num_replicas
         self.name = name
@@ -150,6 +189,17 @@ class ReplicaLoops:
         self._monitor: threading.Thread | None = None
         self._on_idle: Callable[[], bool] | None = None
         self._local = threading.local()
+        self.worker_timeout = worker_timeout
+        self._hangs = hangs
+        # Hung replicas' threads, still in their calls; the group each hung
+        # with; those of them holding a shard nobody waits for; groups with
+        # a replica whose worker turned out lost.
+        self._orphans: dict[int, threading.Thread] = {}
+        self._group: dict[int, tuple[int, ...]] = {}
+        self._excused: set[int] = set()
+        self._gone: set[int] = set()
+        # Per replica: (its stamp and the progress, when first seen so).
+        self._unmoved: dict[int, tuple[tuple, float]] = {}
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
@@ -160,28 +210,25 @@ class ReplicaLoops:
             on_idle: called after the loops stopped because no shard was put
                 or applied for `IDLE_SECONDS`; returns False when shards
                 arrived while they stopped, and the loops go on.
-            first: before any thread starts, one replica takes one queued
-                item in the calling thread (the first step after a drain,
-                whose outputs its caller returns): of the replicas not lost,
-                the one with the most steps, which is not a straggler, or
-                under `max_staleness` the one with the fewest. An error of
-                that call is handled as a thread's is: the item released,
-                the replica's next state from `on_error`.
+            first: before the other threads start, one replica's thread
+                takes one queued item (the first step after a drain, whose
+                outputs its caller returns), and the caller waits for it (up
+                to `worker_timeout`: a call that hangs is then left to the
+                monitor, as any other): of the replicas not lost, the one
+                with the most steps, which is not a straggler, or under
+                `max_staleness` the one with the fewest.
         """
         replica_id = self._first_replica() if first else None
-        if replica_id is not None:
-            with self._lock:
-                self._move(replica_id, ReplicaState.RUNNING)
-            try:
-                self.runner.run_loop(replica_id, 1)
-            except BaseException as error:  # noqa: BLE001 - handed to the strategy
-                state = self._failed(replica_id, error)
-                with self._lock:
-                    self._move(replica_id, state)
         with self._lock:
             if on_idle is not None:
                 self._on_idle = on_idle
             self._stopping = False
+            answered = threading.Event()
+            if replica_id is not None:
+                self._start_thread(replica_id, answered)
+        if replica_id is not None:
+            answered.wait(self.worker_timeout)
+        with self._lock:
             for replica_id in range(self.num_replicas):
                 if self._states[replica_id] in (ReplicaState.LOST, ReplicaState.REJOINING):
                     continue
@@ -192,16 +239,19 @@ class ReplicaLoops:
                 )
                 self._monitor.start()
 
-    def _start_thread(self, replica_id: int) -> None:
-        """Starts the replica's thread unless it runs (holding the lock)."""
+    def _start_thread(self, replica_id: int, first: threading.Event | None = None) -> None:
+        """Starts the replica's thread unless it runs (holding the lock);
+        with `first`, its first call takes one item, then sets `first`."""
         thread = self._threads.get(replica_id)
         if thread is not None and thread.is_alive():
+            if first is not None:
+                first.set()
             return
         if self._states[replica_id] is not ReplicaState.RUNNING:
             self._move(replica_id, ReplicaState.RUNNING)
         thread = threading.Thread(
             target=self._run,
-            args=(replica_id,),
+            args=(replica_id, first),
             name=f"{self.name}-replica-{replica_id}",
             daemon=True,
         )
@@ -226,6 +276,14 @@ class ReplicaLoops:
         STOPPED, and the next `start()` starts them with the others.
         """
         with self._lock:
+            replica_ids = [
+                r
+                for r in replica_ids
+                if self._states[r] is ReplicaState.LOST and r not in self._orphans
+            ]
+        # A replica that hung was fenced off the queue.
+        self.runner.fence(replica_ids, False)
+        with self._lock:
             running = not self._stopping and any(t.is_alive() for t in self._threads.values())
             for replica_id in replica_ids:
                 if self._states[replica_id] is not ReplicaState.LOST:
@@ -246,10 +304,41 @@ class ReplicaLoops:
             self._idle.notify_all()
         if live:
             self.runner.send_stops(len(live))
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        wait = timeout if self.worker_timeout is None else self.worker_timeout
         for thread in [*live, monitor]:
             if thread is not None and thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                thread.join(max(0.0, started + wait - time.monotonic()))
+        if self.worker_timeout is not None:
+            self._fence_stuck(live, time.monotonic() - started)
+
+    def _fence_stuck(self, live: list[threading.Thread], seconds: float) -> None:
+        """Threads that did not take their STOP within `worker_timeout` are
+        in calls that hang (their worker does not answer; they hold no
+        shard, or the monitor had seen them): their groups are left to
+        them, unless nobody else would be left to train. The STOP each was
+        sent stays queued, and a loop that takes it later, not stopping,
+        goes on."""
+        with self._lock:
+            stuck = [
+                r
+                for r, t in self._threads.items()
+                if t in live and t.is_alive() and t is not threading.current_thread()
+            ]
+            others = [
+                r for r, state in enumerate(self._states) if r not in stuck and state not in _GONE
+            ]
+        groups: list[list[int]] = []
+        for replica_id in stuck:
+            if not any(replica_id in g for g in groups):
+                groups.append([r for r in self._hangs.group_of(replica_id) if r in stuck])
+        for group in groups:
+            if not [r for r in others if r not in group]:
+                continue  # Nobody else trains: nobody waits on it.
+            self.runner.fence(group, True)
+            left = self._leave(group, self.runner.stamps())
+            if left:
+                self._hangs.hung(left[0], left, seconds)
 
     def in_worker(self) -> bool:
         """Whether the current thread is one of these loops' threads."""
@@ -259,19 +348,25 @@ class ReplicaLoops:
         with self._lock:
             return any(t.is_alive() for t in self._threads.values())
 
+    def excused(self) -> int:
+        """Shards held by hung calls, which nobody waits for."""
+        with self._lock:
+            return len(self._excused)
+
     def wait_idle(self, failed: Callable[[], bool]) -> None:
-        """Waits until nothing is queued or being applied, or `failed()`."""
+        """Waits until nothing is queued or being applied, but for the
+        shards hung calls hold, or `failed()`."""
         delay = 0.0002
-        while self.runner.pending() > 0 and not failed():
+        while self.runner.pending() > self.excused() and not failed():
             if not self.running():
                 self.start()
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
     def threads(self) -> list[threading.Thread]:
-        """The threads alive now (the replicas' and the idle monitor)."""
+        """The threads alive now (the replicas', hung ones' and the idle monitor)."""
         with self._lock:
-            threads = [*self._threads.values(), self._monitor]
+            threads = [*self._threads.values(), *self._orphans.values(), self._monitor]
             return [t for t in threads if t is not None and t.is_alive()]
 
     def states(self) -> list[ReplicaState]:
@@ -306,11 +401,23 @@ class ReplicaLoops:
         # One at a time: the bound is checked again before every step.
         return 1 if steps[replica_id] - min(live or steps) <= self.max_staleness else 0
 
-    def _run(self, replica_id: int) -> None:
+    def _run(self, replica_id: int, first: threading.Event | None = None) -> None:
+        try:
+            self._loop(replica_id, first)
+        finally:
+            if first is not None:
+                first.set()
+
+    def _loop(self, replica_id: int, first: threading.Event | None) -> None:
         self._local.replica_id = replica_id
         held_since = None
         while True:
-            allowed = self._allowed_steps(replica_id)
+            if first is not None and first.is_set():
+                first = None  # The first call returned: the caller goes on.
+            if self._orphaned(replica_id):
+                self._answer(replica_id, None)
+                return
+            allowed = 1 if first is not None else self._allowed_steps(replica_id)
             if allowed == 0:
                 held_since = held_since or time.monotonic()
                 with self._lock:
@@ -335,7 +442,12 @@ class ReplicaLoops:
             except BaseException as error:  # noqa: BLE001 - handed to the strategy
                 if failed:
                     raise  # The drop loop runs on the queue's host only.
+                if self._orphaned(replica_id):
+                    self._answer(replica_id, error)
+                    return
                 state = self._failed(replica_id, error)
+                if first is not None:
+                    first.set()
                 with self._lock:
                     self._move(replica_id, state)
                     self._progress.notify_all()
@@ -344,6 +456,11 @@ class ReplicaLoops:
                             del self._threads[replica_id]
                         return
                 continue
+            if first is not None:
+                first.set()
+            if self._orphaned(replica_id):
+                self._answer(replica_id, None)
+                return
             with self._lock:
                 self._progress.notify_all()
                 if stopped and self._stopping:
@@ -363,6 +480,89 @@ class ReplicaLoops:
         self.runner.release(replica_id, requeue=state is not ReplicaState.FAILED)
         return state
 
+    # -- hung calls -------------------------------------------------------------
+
+    def _orphaned(self, replica_id: int) -> bool:
+        """Whether the current thread is a hung replica's, left to its call."""
+        with self._lock:
+            return self._orphans.get(replica_id) is threading.current_thread()
+
+    def _look_for_hangs(self, seen: tuple[int, int]) -> None:
+        """One look of the idle monitor: a replica whose shard has not moved,
+        with nothing else moving, for `worker_timeout` seconds is hung."""
+        stamps = self.runner.stamps()
+        now = time.monotonic()
+        with self._lock:
+            # A hung call may take one more item as it is fenced, and hold it.
+            self._excused.update(r for r in self._orphans if stamps[r])
+            live = [
+                r
+                for r, t in self._threads.items()
+                if t.is_alive() and self._states[r] is ReplicaState.RUNNING
+            ]
+        for replica_id in range(self.num_replicas):
+            look = (stamps[replica_id], seen)
+            if replica_id not in live or not stamps[replica_id]:
+                self._unmoved.pop(replica_id, None)
+                continue
+            first = self._unmoved.get(replica_id)
+            if first is None or first[0] != look:
+                self._unmoved[replica_id] = (look, now)
+            elif now - first[1] >= self.worker_timeout:
+                self._unmoved.clear()
+                self._fence_hung(replica_id, stamps[replica_id], live, now - first[1])
+                return
+
+    def _fence_hung(self, replica_id: int, stamp: int, live: list[int], seconds: float) -> None:
+        """Fences a replica that looks hung, with its group, and confirms:
+        if its shard is still the same once the fence is up, its calls are
+        left to themselves and its group is lost; otherwise the fence goes."""
+        group = [r for r in self._hangs.group_of(replica_id) if r in live]
+        if not [r for r in live if r not in group]:
+            return  # Nobody else trains: nobody waits on it.
+        self.runner.fence(group, True)
+        stamps = self.runner.stamps()
+        if stamps[replica_id] != stamp:
+            self.runner.fence(group, False)
+            return
+        left = self._leave(group, stamps)
+        if left:
+            self._hangs.hung(replica_id, left, seconds)
+
+    def _leave(self, group: Sequence[int], stamps: Sequence[int]) -> list[int]:
+        """Leaves a fenced group's threads to their calls: LOST, not waited
+        for, and the shards they hold excused."""
+        with self._lock:
+            left = [r for r in group if r in self._threads]
+            for r in left:
+                self._move(r, ReplicaState.LOST)
+                self._orphans[r] = self._threads.pop(r)
+                self._group[r] = tuple(left)
+                if stamps[r]:
+                    self._excused.add(r)
+            self._progress.notify_all()
+        return left
+
+    def _answer(self, replica_id: int, error: BaseException | None) -> None:
+        """A hung replica's call ended (in its thread): the shard it held is
+        applied, or, for an error, released as any failed call's is. Once
+        its whole group answered, the group rejoins, unless its worker
+        turned out lost (it then rejoins when it serves again)."""
+        state = self._failed(replica_id, error) if error is not None else None
+        with self._lock:
+            del self._orphans[replica_id]
+            self._excused.discard(replica_id)
+            group = self._group.pop(replica_id)
+            if state is ReplicaState.LOST:
+                self._gone.update(group)
+            self._progress.notify_all()
+            if any(r in self._orphans for r in group):
+                return
+            gone = self._gone.intersection(group)
+            self._gone.difference_update(group)
+        if not gone:
+            self._hangs.answered(group)
+
     def _watch_idle(self) -> None:
         # Idle means that nothing moved: no shard put and none applied since
         # the last look, for IDLE_SECONDS. Replicas that keep up with the
@@ -378,7 +578,9 @@ class ReplicaLoops:
                     self._monitor = None
                     return
             seen = self.runner.progress()
-            if seen != last or seen[0] != seen[1]:
+            if self.worker_timeout is not None:
+                self._look_for_hangs(seen)
+            if seen != last or seen[0] - seen[1] > self.excused():
                 idle_since, last = None, seen
                 continue
             idle_since = idle_since or time.monotonic()
