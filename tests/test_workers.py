@@ -444,12 +444,18 @@ def hang_once(release: threading.Event):
     return item, hung
 
 
-@pytest.mark.timeout(60)
-def test_a_hung_replica_is_lost_past_the_timeout_and_rejoins_when_it_answers():
-    runner, hangs, errors, loops = make_with_hangs(3, timeout=0.5, steps_per_loop=4)
+def hanging(replicas, timeout, items, **kwargs):
+    """Loops with a hang watch, `items` queued, the first one taken hanging."""
+    runner, hangs, errors, loops = make_with_hangs(replicas, timeout=timeout, **kwargs)
     release = threading.Event()
     item, hung_replica = hang_once(release)
-    runner.submit([item] * 30)
+    runner.submit([item] * items)
+    return runner, hangs, errors, loops, release, hung_replica
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_replica_is_lost_past_the_timeout_and_rejoins_when_it_answers():
+    runner, hangs, errors, loops, release, hung_replica = hanging(3, 0.5, 30, steps_per_loop=4)
     started = time.monotonic()
     loops.start()
     loops.wait_idle(failed=lambda: bool(errors))
@@ -483,10 +489,7 @@ def test_a_hung_replica_is_lost_past_the_timeout_and_rejoins_when_it_answers():
 
 @pytest.mark.timeout(60)
 def test_a_hung_call_that_answers_while_the_loops_run_rejoins_them():
-    runner, hangs, errors, loops = make_with_hangs(2, timeout=0.3, steps_per_loop=2)
-    release = threading.Event()
-    item, hung_replica = hang_once(release)
-    runner.submit([item] * 10)
+    runner, hangs, errors, loops, release, hung_replica = hanging(2, 0.3, 10, steps_per_loop=2)
     loops.start()
     assert until(lambda: hangs.seen)
     release.set()
@@ -562,10 +565,7 @@ def test_a_hung_call_whose_worker_is_lost_stays_lost_and_gives_its_item_back():
 
 @pytest.mark.timeout(60)
 def test_a_first_call_that_hangs_holds_the_caller_up_to_the_timeout_only():
-    runner, hangs, errors, loops = make_with_hangs(3, timeout=0.5)
-    release = threading.Event()
-    item, hung_replica = hang_once(release)
-    runner.submit([item] * 12)
+    runner, hangs, errors, loops, release, hung_replica = hanging(3, 0.5, 12)
     runner.steps = [0, 5, 1]
     started = time.monotonic()
     loops.start(first=True)

@@ -541,6 +541,8 @@ class ReplicaLoops:
                 if stamps[r]:
                     self._excused.add(r)
             self._progress.notify_all()
+        # One that ended meanwhile is not left to a call: it may take again.
+        self.runner.fence([r for r in group if r not in left], False)
         return left
 
     def _answer(self, replica_id: int, error: BaseException | None) -> None:
