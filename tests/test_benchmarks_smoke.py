@@ -433,3 +433,31 @@ def test_convergence_verdict_names_what_the_default_fell_short_of(
         regime, floor, _convergence_row(*default), sync, none and _convergence_row(none, 2.5)
     )
     assert got == (verdict, met)
+
+
+@pytest.mark.slow
+def test_two_checkouts_are_compared_side_by_side():
+    """`benchmarks.checkouts` alternates the two and prints their ratio
+    (the same checkout twice here: its figure means nothing)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkouts", str(ROOT), str(ROOT), "--rounds", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("round 1: ") for line in lines) == 2
+    assert lines[-1].startswith("after/before: ") and lines[-1].endswith("x (medians)")
+
+
+def test_checkouts_refuses_no_rounds():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.checkouts", "a", "b", "--rounds", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "--rounds must be at least 1, received 0" in result.stderr
