@@ -183,12 +183,12 @@ class ShardChannel:
         return stop, shard
 
     def hold(self, replica_id: tf.Tensor, stamp: tf.Tensor) -> tf.Operation:
-        """Marks that the replica holds a shard it took.
+        """Marks that the replica holds a shard it took, or, with 0, none.
 
         Args:
             replica_id: the replica.
             stamp: the replica's completed steps once this shard's step
-                completes (its steps so far plus one; never 0).
+                completes (its steps so far plus one), or 0.
         """
         with tf.device(self.counter_device):
             return self.holding.scatter_nd_update(
@@ -204,10 +204,8 @@ class ShardChannel:
         """Puts an item a fenced replica took back on the queue, uncounted."""
         with tf.device(self.device):
             queued = self.queue.enqueue(list(item))
-        with tf.control_dependencies([queued]), tf.device(self.counter_device):
-            return self.holding.scatter_nd_update(
-                tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
-            )
+        with tf.control_dependencies([queued]):
+            return self.hold(replica_id, tf.constant(0, tf.int64))
 
     def done(self, replica_id: tf.Tensor | None = None) -> tf.Operation:
         """Counts one taken shard as applied or dropped (and no longer held)."""
@@ -216,9 +214,7 @@ class ShardChannel:
             if replica_id is None:
                 return counted
             with tf.control_dependencies([counted]):
-                return self.holding.scatter_nd_update(
-                    tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
-                )
+                return self.hold(replica_id, tf.constant(0, tf.int64))
 
     def pass_by(self, replica_id: tf.Tensor, counted: tf.Tensor) -> tf.Operation:
         """Lets go of a taken item unapplied: counted done if `counted` (a
@@ -228,9 +224,7 @@ class ShardChannel:
                 [[_DONE]], tf.reshape(tf.cast(counted, tf.int64), [1])
             )
             with tf.control_dependencies([counts]):
-                return self.holding.scatter_nd_update(
-                    tf.reshape(replica_id, [1, 1]), tf.constant([0], tf.int64)
-                )
+                return self.hold(replica_id, tf.constant(0, tf.int64))
 
     # -- from Python ----------------------------------------------------------
 
