@@ -34,6 +34,7 @@ WORKLOADS = (
     "control",
     "cluster",
     "fault_timeline",
+    "embeddings",
     "convergence",
 )
 
@@ -174,6 +175,16 @@ class Plan:
             after it is measured.
         fault_full_rate: the share of the rate before the kill that counts as
             the full rate again (the time to the full rate, and the target).
+        embedding_contenders: the embedding workload's contenders (plain
+            Keras on one device, tf_diffmap on `embedding_replicas`).
+        embedding_replicas: tf_diffmap's replicas there.
+        embedding_rows: the table sizes, smallest first (the scaling figure
+            is the largest's examples/s over the smallest's).
+        embedding_optimizers: keys of `workloads.EMBEDDING_OPTIMIZERS`.
+        embedding_batch_size: the global batch size.
+        embedding_examples_per_epoch: training examples.
+        embedding_epochs: epochs of each run: the first is not timed, and
+            the validation accuracy is read after the last.
     """
 
     name: str
@@ -277,6 +288,13 @@ class Plan:
     fault_warmup_seconds: float = 3.0
     fault_settle_seconds: float = 2.0
     fault_full_rate: float = 0.95
+    embedding_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap")
+    embedding_replicas: int = 4
+    embedding_rows: tuple[int, ...] = (40_000, 400_000)
+    embedding_optimizers: tuple[str, ...] = ("sgd", "adagrad", "adam")
+    embedding_batch_size: int = 256
+    embedding_examples_per_epoch: int = 16384
+    embedding_epochs: int = 6
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -310,6 +328,8 @@ PRESETS = {
         fault_seconds=60.0,
         fault_kill_at=10.0,
         fault_restart_at=20.0,
+        embedding_optimizers=("sgd", "adam"),
+        embedding_epochs=4,
     ),
     # Two sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
@@ -334,7 +354,8 @@ PRESETS = {
         points_replicas=2,
         points_epochs=1,
         points_rounds=1,
-        # Their own smoke tests run control, cluster and fault_timeline (`--only ...`).
+        # Their own smoke tests run control, cluster, fault_timeline and
+        # embeddings (`--only ...`).
         workloads=("throughput", "straggler", "accuracy", "points"),
         control_steps_per_epoch=32,
         control_steps_per_loop=(32,),
@@ -351,6 +372,10 @@ PRESETS = {
         convergence_rules=("auto", "none"),
         convergence_seeds=(0,),
         convergence_epochs=2,
+        embedding_rows=(2_000, 20_000),
+        embedding_optimizers=("sgd",),
+        embedding_examples_per_epoch=1024,
+        embedding_epochs=2,
     ),
 }
 
@@ -489,8 +514,34 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         out += _cluster_sessions(plan)
     if "fault_timeline" in plan.workloads:
         out.append(_fault_timeline_session(plan))
+    if "embeddings" in plan.workloads:
+        out += _embedding_sessions(plan)
     if "convergence" in plan.workloads:
         out += _convergence_sessions(plan)
+    return out
+
+
+def _embedding_sessions(plan: Plan) -> list[dict[str, Any]]:
+    """Per table size, plain Keras on one device then tf_diffmap, each
+    training the bag of ids once with every optimizer."""
+    out = []
+    for rows in plan.embedding_rows:
+        tasks = [
+            {
+                "kind": "embeddings",
+                "rows": rows,
+                "optimizer": optimizer,
+                "batch_size": plan.embedding_batch_size,
+                "examples_per_epoch": plan.embedding_examples_per_epoch,
+                "epochs": plan.embedding_epochs,
+            }
+            for optimizer in plan.embedding_optimizers
+        ]
+        for contender in plan.embedding_contenders:
+            replicas = 1 if contender == "plain_keras" else plan.embedding_replicas
+            out.append(
+                {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
+            )
     return out
 
 

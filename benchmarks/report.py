@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks import workloads
+from benchmarks import embeddings, workloads
 from benchmarks.contenders import CONTENDERS, label
 from benchmarks.plan import CONTROL_FLOORS
 from benchmarks.workloads import MODELS
@@ -557,6 +557,24 @@ def _target(key: str, measured, note: str = "", target: float | None = None) -> 
     }
 
 
+def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
+    text, op, value = next((d, o, v) for k, d, o, v in embeddings.TARGETS if k == key)
+    met = None if measured is None else measured >= value
+    unit = " pt" if key == "embedding_accuracy" else "x"
+    return {
+        "key": key,
+        "model": "embeddings",
+        "input": "dataset",
+        "description": text,
+        "measured": measured,
+        "comparison": op,
+        "target": value,
+        "unit": unit,
+        "met": met,
+        "note": note,
+    }
+
+
 def _control_targets(control) -> list[dict[str, Any]]:
     def rate(contender, spe, field):
         k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
@@ -1001,6 +1019,9 @@ def build(
         targets += _cluster_targets(cluster, plan, tf_keras)
     if "fault_timeline" in plan.workloads:
         targets += _fault_targets(plan, fault_timeline)
+    embedding_rows = embeddings.rows(runs)
+    if "embeddings" in plan.workloads:
+        targets += embeddings.targets(embedding_rows, plan, _embedding_target)
     return {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -1024,6 +1045,7 @@ def build(
         "cluster": cluster,
         "cluster_floor": cluster_floor,
         "fault_timeline": fault_timeline,
+        "embeddings": embedding_rows,
         "targets": targets,
         "errors": _errors(runs),
         "sessions": runs,
@@ -1058,6 +1080,7 @@ def _contenders_in(rows) -> list[str]:
 def _targets_table(results, keys=None) -> list[str]:
     """The targets table: of `keys`, or by default of the timed workloads."""
     own = CONTROL_TARGETS + CLUSTER_TARGETS + FAULT_TARGETS
+    own += tuple(t[0] for t in embeddings.TARGETS)
     lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
     for t in results["targets"]:
         if (t["key"] not in keys) if keys is not None else (t["key"] in own):
@@ -1373,6 +1396,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines += _cluster_section(results)
     if "fault_timeline" in workloads:
         lines += _fault_timeline_section(results)
+    if "embeddings" in workloads:
+        lines += embeddings.section(results)
+        lines += _targets_table(results, [t[0] for t in embeddings.TARGETS]) + [""]
     if "convergence" in workloads:
         lines += _convergence_section(results)
     if results.get("figures"):
@@ -1700,7 +1726,7 @@ def fault_timeline_summary(results: dict[str, Any]) -> list[str]:
             f"{_num(row['delays']['seconds_restart_to_rejoin']['median'], 1)} s "
             f"(rejoined in {row['rejoined_runs']} of {row['runs']} runs)"
         )
-    return lines + _target_lines(results, FAULT_TARGETS)
+    return lines + target_lines(results, FAULT_TARGETS)
 
 
 def _short(device: str) -> str:
@@ -1725,7 +1751,7 @@ def control_summary(results: dict[str, Any]) -> list[str]:
             f"{_num(row['updates_per_second']['median'], 0)} {unit}"
         )
     floor = _floor_lines(results.get("control_floor"))
-    return lines + _target_lines(results, CONTROL_TARGETS) + floor
+    return lines + target_lines(results, CONTROL_TARGETS) + floor
 
 
 def cluster_summary(results: dict[str, Any]) -> list[str]:
@@ -1744,7 +1770,7 @@ def cluster_summary(results: dict[str, Any]) -> list[str]:
         for row in results.get("cluster") or []
     ]
     floor = _floor_lines(results.get("cluster_floor"))
-    return lines + _target_lines(results, CLUSTER_TARGETS) + floor
+    return lines + target_lines(results, CLUSTER_TARGETS) + floor
 
 
 def _floor_lines(rows) -> list[str]:
@@ -1756,15 +1782,16 @@ def _floor_lines(rows) -> list[str]:
     ]
 
 
-def _target_lines(results, keys) -> list[str]:
+def target_lines(results, keys) -> list[str]:
     lines = []
     for t in results["targets"]:
         if t["key"] in keys:
-            measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}x"
+            unit = t.get("unit", "x")
+            measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
             verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
             lines.append(
                 f"  {t['description']}: {measured} (target {t['comparison']} "
-                f"{t['target']:.3g}x): {verdict}"
+                f"{t['target']:.3g}{unit}): {verdict}"
             )
     return lines
 

@@ -295,7 +295,7 @@ def _finite(value):
 
 def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Runs `plan` and writes its results; returns them."""
-    from benchmarks import report
+    from benchmarks import embeddings, report
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -398,6 +398,10 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
     for line in report.points_summary(results) + report.control_summary(results):
         _log(line)
     for line in report.cluster_summary(results) + report.fault_timeline_summary(results):
+        _log(line)
+    for line in embeddings.summary(results) + report.target_lines(
+        results, [t[0] for t in embeddings.TARGETS]
+    ):
         _log(line)
     _log(f"wrote {out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s")
     return results

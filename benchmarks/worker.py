@@ -227,6 +227,57 @@ def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
     return out
 
 
+def run_embeddings(rt, task: dict, seed: int) -> dict[str, Any]:
+    """The bag of ids with one table size and optimizer: examples/s of the
+    epochs after the first, CPU seconds per 1,000 examples of this process,
+    and the validation accuracy after the last epoch."""
+    rows, batch = task["rows"], task["batch_size"]
+    x, y, x_val, y_val = workloads.embedding_data(rows, task["examples_per_epoch"], seed)
+    rt.keras.utils.set_random_seed(seed)
+    with rt.scope():
+        model = workloads.build_embedding_model(rt.keras, rows)
+        model.compile(
+            optimizer=workloads.embedding_optimizer(rt.keras, task["optimizer"]),
+            loss="binary_crossentropy",
+            metrics=["accuracy"],
+        )
+    EpochTimer, _ = _callbacks(rt.keras)
+    timer = EpochTimer(task["epochs"] - 1, 0.0)
+    cpu = []
+
+    class CpuClock(rt.keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                cpu.append(time.process_time())
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == task["epochs"] - 1:
+                cpu.append(time.process_time())
+
+    rt.reset_statistics()
+    model.fit(
+        workloads.dataset(x, y, batch, shuffle_seed=seed),
+        steps_per_epoch=_steps(x, batch),
+        epochs=task["epochs"],
+        callbacks=[timer, CpuClock()],
+        verbose=0,
+    )
+    seconds = timer.seconds[1:]
+    timed_examples = len(x) * len(seconds)
+    _, accuracy = model.evaluate(x_val, y_val, batch_size=1024, verbose=0)
+    out: dict[str, Any] = {
+        "epochs": len(timer.seconds),
+        "epoch_seconds": seconds,
+        "examples_per_second": len(x) / statistics.median(seconds),
+        "cpu_seconds_per_1000_examples": 1000 * (cpu[1] - cpu[0]) / timed_examples,
+        "val_accuracy": float(accuracy),
+        "table_mb": rows * workloads.EMBEDDING_MODEL["width"] * 4 / 2**20,
+    }
+    if rt.replica_steps() is not None:
+        out["staleness"] = rt.statistics()
+    return out
+
+
 def run_straggler(rt, task: dict, seed: int) -> dict[str, Any]:
     x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
     rt.keras.utils.set_random_seed(seed)
@@ -645,6 +696,7 @@ TASKS = {
     "control": run_control,
     "cluster": run_cluster,
     "fault_timeline": run_fault_timeline,
+    "embeddings": run_embeddings,
 }
 
 

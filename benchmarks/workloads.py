@@ -26,6 +26,11 @@ __all__ = [
     "convergence_optimizer_label",
     "control_data",
     "build_control_model",
+    "EMBEDDING_MODEL",
+    "EMBEDDING_OPTIMIZERS",
+    "embedding_data",
+    "build_embedding_model",
+    "embedding_optimizer",
 ]
 
 # Input shape and classes of each model. "mlp" is also the digits model: the
@@ -312,3 +317,57 @@ def _legacy_replica_delay(keras: ModuleType) -> type:
 
     _LEGACY_LAYERS[id(keras)] = LegacyReplicaDelay
     return LegacyReplicaDelay
+
+
+# The embedding workload: a bag of ids, the parameter-server workload.
+EMBEDDING_MODEL = {
+    "ids": 16,
+    "width": 32,
+    "description": "Embedding(rows, 32) over 16 ids an example, GlobalAveragePooling1D, "
+    "Dense(32, ReLU), Dense(1, sigmoid), binary cross-entropy",
+}
+
+# Each optimizer of the embedding workload: Keras class and arguments.
+EMBEDDING_OPTIMIZERS = {
+    "sgd": ("SGD", {"learning_rate": 0.5}),
+    "adagrad": ("Adagrad", {"learning_rate": 0.5}),
+    "adam": ("Adam", {"learning_rate": 1e-2}),
+}
+
+
+def embedding_data(rows: int, examples: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Ids drawn as in recommendation data, and a label they determine.
+
+    Ids follow a Zipf law (a few rows are looked up often, most rarely), and
+    every row has a hidden score: the label is whether an example's mean score
+    is above the median. The validation set is a quarter the size of the
+    training set, drawn the same way.
+
+    Returns:
+        `x_train, y_train, x_val, y_val`: int32 ids `[n, 16]`, float32 labels `[n, 1]`.
+    """
+    rng = np.random.default_rng(seed)
+    score = rng.normal(size=rows).astype("float32")
+    ids = EMBEDDING_MODEL["ids"]
+    x = ((rng.zipf(1.3, size=(examples + examples // 4, ids)) - 1) % rows).astype("int32")
+    mean = score[x].mean(axis=1)
+    y = (mean > np.median(mean)).astype("float32")[:, None]
+    return x[:examples], y[:examples], x[examples:], y[examples:]
+
+
+def build_embedding_model(keras: ModuleType, rows: int):
+    width = EMBEDDING_MODEL["width"]
+    return keras.Sequential(
+        [
+            keras.Input((EMBEDDING_MODEL["ids"],), dtype="int32"),
+            keras.layers.Embedding(rows, width),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
+
+
+def embedding_optimizer(keras: ModuleType, name: str):
+    cls, kwargs = EMBEDDING_OPTIMIZERS[name]
+    return getattr(keras.optimizers, cls)(**kwargs)

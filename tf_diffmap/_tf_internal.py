@@ -10,12 +10,14 @@ when a release changes any of it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 from collections.abc import Callable
 
 import keras
 import tensorflow as tf
+from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 
 from tf_diffmap.devices import task_of
@@ -108,6 +110,7 @@ def compatibility_problems() -> list[str]:
     optimizer_classes = keras.optimizers.Optimizer.__mro__
     if not any("_distribution_strategy" in _source(c.__init__) for c in optimizer_classes):
         problems.append("Keras optimizers no longer have `_distribution_strategy`")
+    problems += _optimizer_problems()
     for name in ("_set_device", "_is_stateful", "_update_input"):
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
@@ -144,6 +147,82 @@ def optimizer_strategy(optimizer: object) -> tf.distribute.Strategy | None:
     creates its variables (momentum, moments) under it.
     """
     return getattr(optimizer, "_distribution_strategy", None)
+
+
+# Where Keras' optimizers keep their slots: per row-update kind, the slot's
+# name in `sparse` and the list attribute of the optimizer that holds it, in
+# the order of the optimizer's variables (`_get_variable_index`).
+OPTIMIZER_SLOTS: dict[type, dict[str, str]] = {
+    keras.optimizers.SGD: {"momentum": "momentums"},
+    keras.optimizers.Adam: {
+        "momentum": "_momentums",
+        "velocity": "_velocities",
+        "velocity_hat": "_velocity_hats",
+    },
+    keras.optimizers.Adagrad: {"accumulator": "_accumulators"},
+    keras.optimizers.Ftrl: {"accumulator": "_accumulators", "linear": "_linears"},
+}
+
+
+def optimizer_slots(optimizer, variable) -> dict[str, tf.Variable]:
+    """The slot variables that `optimizer` keeps for `variable`, by name.
+
+    Uses Keras' private `_get_variable_index` and slot lists (see
+    `OPTIMIZER_SLOTS`), the way each optimizer's own `update_step` does.
+    """
+    index = optimizer._get_variable_index(variable)  # noqa: SLF001
+    for cls, names in OPTIMIZER_SLOTS.items():
+        if isinstance(optimizer, cls):
+            slots = {}
+            for name, attribute in names.items():
+                held = getattr(optimizer, attribute, None)
+                if held:
+                    slot = held[index]
+                    slots[name] = slot.value if isinstance(slot, keras.Variable) else slot
+            return slots
+    return {}
+
+
+def optimizer_of_update(fn) -> object | None:
+    """The Keras optimizer whose update `fn` applies, or None.
+
+    Keras' TensorFlow backend hands each variable's update to the strategy
+    (`extended.update(var, fn, args=(gradient, learning_rate))`) as a
+    function nested in the optimizer's `_distributed_tf_update_step`, which
+    calls `self.update_step`: the optimizer is that function's `self`.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return None
+    for name, cell in zip(code.co_freevars, fn.__closure__, strict=False):
+        if name == "self":
+            try:
+                candidate = cell.cell_contents
+            except ValueError:
+                return None
+            if isinstance(candidate, keras.optimizers.Optimizer):
+                return candidate
+    return None
+
+
+def _optimizer_problems() -> list[str]:
+    problems = []
+    update = None
+    for cls in keras.optimizers.Optimizer.__mro__:
+        update = cls.__dict__.get("_distributed_tf_update_step", update)
+    if update is None or "self.update_step" not in _source(update):
+        problems.append(
+            "Keras optimizers no longer hand each update to the strategy as a "
+            "function calling `self.update_step`"
+        )
+    if not callable(getattr(keras.optimizers.Optimizer, "_get_variable_index", None)):
+        problems.append("Keras optimizers have no `_get_variable_index`")
+    for cls, names in OPTIMIZER_SLOTS.items():
+        source = "".join(_source(c) for c in cls.__mro__ if c.__module__.startswith("keras"))
+        for attribute in names.values():
+            if f"self.{attribute}" not in source:
+                problems.append(f"keras.optimizers.{cls.__name__} has no `{attribute}`")
+    return problems
 
 
 def is_mixed_strategy_error(error: BaseException) -> bool:
@@ -187,6 +266,8 @@ class StoreVariable(ResourceVariable):
     _on_host_access: Callable[[], None] | None = None
     # Read once per replica step (see `snapshot_in_steps`).
     _snapshot_in_steps = False
+    # Read as rows where a replica step gathers rows (see `_read_variable_op`).
+    _read_as_rows = False
 
     @classmethod
     def adopt(cls, variable: tf.Variable, on_host_access: Callable[[], None]):
@@ -199,6 +280,13 @@ class StoreVariable(ResourceVariable):
             return variable
         variable.__class__ = cls
         variable._on_host_access = on_host_access
+        variable._read_as_rows = (
+            variable.trainable
+            and variable.shape.rank is not None
+            and variable.shape.rank >= 1
+            and variable.shape.is_fully_defined()
+            and variable.shape.num_elements() * variable.dtype.size >= ROWS_READ_BYTES
+        )
         return variable
 
     def _before_eager_access(self) -> None:
@@ -215,11 +303,29 @@ class StoreVariable(ResourceVariable):
         self._snapshot_in_steps = True
 
     def _read_variable_op(self, no_copy=False):
+        """Reads the variable, or stands in for the read inside a replica step.
+
+        A large trainable variable (an embedding table) read by a replica
+        step before the step claims its version gets a stand-in for its
+        value: Keras reads a table whole and gathers rows from the copy
+        (`ops.take`), which moves and, once the table has had a sparse
+        update, copies the whole table at every step. At the claim
+        (`resolve_row_reads`) each gather of the stand-in becomes a
+        `ResourceGather` beside the table, which reads only the rows, and any
+        other use of it gets a whole read of the variable.
+        """
         self._before_eager_access()
         if self._snapshot_in_steps and _replica_tracing.active and not tf.executing_eagerly():
             return _replica_tracing.snapshot(
                 self, lambda: super(StoreVariable, self)._read_variable_op(no_copy=no_copy)
             )
+        if (
+            self._read_as_rows
+            and _replica_tracing.reads_as_rows
+            and not tf.executing_eagerly()
+            and tf.compat.v1.get_default_graph() is _replica_tracing.step_graph
+        ):
+            return _replica_tracing.stand_in(self)
         return super()._read_variable_op(no_copy=no_copy)
 
     def _atomic_delta(self, value):
@@ -270,9 +376,37 @@ class _ReplicaTracing(threading.local):
 
     active = False
     step_graph = None
+    # Whether reads of large variables get stand-ins (until the claim).
+    reads_as_rows = False
 
     def __init__(self):
         self.snapshots: dict[int, tf.Tensor] = {}
+        self.stand_ins: dict[int, tuple[StoreVariable, list[tf.Tensor]]] = {}
+
+    def stand_in(self, variable: StoreVariable) -> tf.Tensor:
+        """A tensor that stands for `variable`'s value until the claim.
+
+        It has the variable's shape and dtype, and gradients flow from it to
+        the variable as from a read. `resolve_row_reads` rewires its users;
+        should one be left (a user made after the claim), running it fails
+        with an error that names it, rather than computing with a wrong value.
+        """
+        resource_variable_ops.variable_accessed(variable)
+        shape = variable.shape.as_list()
+        name = f"tf_diffmap_unresolved_read_of_{variable.name.split(':')[0].replace('/', '_')}"
+        empty = tf.raw_ops.PlaceholderWithDefault(
+            input=tf.zeros([0, *shape[1:]], variable.dtype), shape=[None, *shape[1:]]
+        )
+        value = tf.ensure_shape(empty, shape, name=name)
+        record.record_operation(
+            "ReadVariableOp",
+            [value],
+            [variable.handle],
+            backward_function=lambda x: [x],
+            forward_function=lambda x: [x],
+        )
+        self.stand_ins.setdefault(id(variable), (variable, []))[1].append(value)
+        return value
 
     def snapshot(self, variable, read: Callable[[], tf.Tensor]) -> tf.Tensor:
         """The step graph's first read of `variable`, made by `read` if none.
@@ -295,6 +429,100 @@ class _ReplicaTracing(threading.local):
 
 
 _replica_tracing = _ReplicaTracing()
+
+# Trainable store variables of at least this many bytes are read as rows
+# where a replica step gathers rows of them (`StoreVariable._read_variable_op`).
+ROWS_READ_BYTES = 256 << 10
+
+
+@dataclasses.dataclass
+class RowReads:
+    """How one replica step read a large variable.
+
+    Attributes:
+        variable: the variable.
+        lookups: `(ids, rows)` of each row gather, flattened: ids `[n]`
+            (int64), rows `[n, ...]`, read where the variable lives.
+        value: a whole read of it, made when something used its value
+            other than by gathering rows; else None.
+    """
+
+    variable: object
+    lookups: list[tuple[tf.Tensor, tf.Tensor]]
+    value: tf.Tensor | None = None
+
+
+def _gathers_rows(op, stand_in: tf.Tensor) -> bool:
+    return (
+        op.type == "GatherV2"
+        and op.inputs[0] is stand_in
+        and all(t is not stand_in for t in op.inputs[1:])
+        and tf.get_static_value(op.inputs[2]) == 0
+        and op.get_attr("batch_dims") == 0
+    )
+
+
+def _reroute(old: tf.Tensor, new: tf.Tensor, consumers=None) -> None:
+    for consumer in list(old.consumers() if consumers is None else consumers):
+        for index, tensor in enumerate(consumer.inputs):
+            if tensor is old:
+                consumer._update_input(index, new)  # noqa: SLF001
+
+
+def resolve_row_reads() -> dict[int, RowReads]:
+    """Gives the stand-ins of this replica step their reads (at its claim).
+
+    Each row gather of a stand-in becomes a `ResourceGather` of the same
+    ids, which runs beside the variable and moves only the rows; every
+    other user of a stand-in (an op that needs the whole value) reads the
+    variable whole. The reads run after what the stand-in waited for (the
+    step's read of the store version), and, being made before the step's
+    first update, before any update of the step (`tf.function` orders the
+    ops on one variable in the order they were made). From here on the
+    step reads its variables as usual.
+
+    Uses the private `Operation._update_input`, the one way to change what
+    an op of a graph being traced takes as input.
+
+    Returns:
+        Per variable id, how the step read it.
+    """
+    tracing = _replica_tracing
+    pending, tracing.stand_ins = tracing.stand_ins, {}
+    tracing.reads_as_rows = False
+    resolved: dict[int, RowReads] = {}
+    if not pending:
+        return resolved
+    with tracing.step_graph.as_default(), tf.control_dependencies(None):
+        for key, (variable, stand_ins) in pending.items():
+            reads = resolved[key] = RowReads(variable, [])
+            row_shape = variable.shape.as_list()[1:]
+            for stand_in in stand_ins:
+                waits = list(stand_in.op.inputs[0].op.control_inputs) + list(
+                    stand_in.op.control_inputs
+                )
+                with tf.control_dependencies(waits), tf.device(stand_in.device):
+                    others = []
+                    for op in list(stand_in.consumers()):
+                        if not _gathers_rows(op, stand_in):
+                            others.append(op)
+                            continue
+                        rows = tf.raw_ops.ResourceGather(
+                            resource=variable.handle,
+                            indices=op.inputs[1],
+                            dtype=variable.dtype,
+                            validate_indices=True,
+                        )
+                        _reroute(op.outputs[0], rows)
+                        ids = tf.reshape(tf.cast(op.inputs[1], tf.int64), [-1])
+                        reads.lookups.append((ids, tf.reshape(rows, [-1, *row_shape])))
+                    if others:
+                        if reads.value is None:
+                            reads.value = tf.raw_ops.ReadVariableOp(
+                                resource=variable.handle, dtype=variable.dtype
+                            )
+                        _reroute(stand_in, reads.value, others)
+    return resolved
 
 
 def replica_tracing() -> _ReplicaTracing:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal
+from tf_diffmap import _tf_internal, sparse
 from tf_diffmap import staleness as rules
 from tf_diffmap.step import current_step
 from tf_diffmap.store import optimizer_outside_scope_message
@@ -134,6 +134,61 @@ def _momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
         sgd.momentum = nominal
 
 
+class _Rows:
+    """One gradient as the rules see it: whole, or the rows it touches.
+
+    A dense gradient is read and written whole. A sparse one (an embedding
+    lookup's `tf.IndexedSlices`) is summed per distinct id, and the rules
+    read and write only those rows of the variable and of their own state:
+    the gap and the delay are measured on the touched rows, and an untouched
+    row's state does not decay (see `tf_diffmap.sparse`).
+    """
+
+    def __init__(self, gradient, variable, state):
+        self.variable = variable
+        self.state = state
+        self.sparse = isinstance(gradient, tf.IndexedSlices)
+        if self.sparse:
+            self.dense_shape = gradient.dense_shape
+            self.ids, self.gradient = sparse.unique_rows(gradient)
+        else:
+            self.ids, self.gradient = None, tf.convert_to_tensor(gradient)
+        self.dtype = self.gradient.dtype
+
+    def of(self, variable) -> _Rows:
+        """The same rows of another variable of the same shape (a rule's state)."""
+        view = _Rows.__new__(_Rows)
+        view.__dict__.update(self.__dict__, variable=variable)
+        return view
+
+    def read(self) -> tf.Tensor:
+        if self.sparse:
+            return self.variable.sparse_read(self.ids)
+        return self.variable.read_value()
+
+    def add(self, delta) -> None:
+        delta = tf.cast(delta, self.variable.dtype)
+        if self.sparse:
+            self.variable.scatter_add(tf.IndexedSlices(delta, self.ids))
+        else:
+            self.variable.assign_add(delta)
+
+    def params_now(self) -> tf.Tensor:
+        return tf.cast(self.read(), self.dtype)
+
+    def params_read(self) -> tf.Tensor:
+        """The parameters the gradient was computed at (the step's read)."""
+        if self.sparse:
+            return tf.cast(self.state.read_rows_of(self.variable, self.ids), self.dtype)
+        return tf.cast(self.state.read_value_of(self.variable), self.dtype)
+
+    def gradient_of(self, values):
+        """A new gradient, shaped as this one was."""
+        if self.sparse:
+            return tf.IndexedSlices(values, self.ids, self.dense_shape)
+        return values
+
+
 @keras.saving.register_keras_serializable(package="tf_diffmap")
 class AsyncOptimizer(keras.optimizers.Optimizer):
     """Applies an inner optimizer's updates with a staleness-aware rule.
@@ -157,6 +212,14 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         gap_decay: decay of `"gap"`'s moving mean square of each
             parameter's steps, whose root is the typical step C the gap
             is measured in.
+        sparse_updates: how a sparse gradient (an embedding lookup's
+            `tf.IndexedSlices`) is applied. `"lazy"` (the default, also for
+            optimizers used without this wrapper) updates only the rows it
+            touches, and their slots, for SGD, Adagrad, Adam, AdamW and
+            Ftrl: exact for SGD without momentum and Adagrad, while with
+            momentum, Adam's moments and Ftrl an untouched row keeps its
+            slots and value (TF-Addons' `LazyAdam`). `"dense"` applies Keras'
+            own update, which touches every row. See `tf_diffmap.sparse`.
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -184,6 +247,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         dc_momentum: float = 0.95,
         staleness_decay: float = 0.95,
         gap_decay: float = 0.99,
+        sparse_updates: str = "lazy",
         name: str | None = None,
         **kwargs,
     ):
@@ -227,6 +291,10 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"staleness_decay must be in [0, 1), received {staleness_decay!r}.")
         if not 0 <= gap_decay < 1:
             raise ValueError(f"gap_decay must be in [0, 1), received {gap_decay!r}.")
+        if sparse_updates not in sparse.SEMANTICS:
+            raise ValueError(
+                f"sparse_updates must be one of {sparse.SEMANTICS}, received {sparse_updates!r}."
+            )
         if staleness == "momentum" and heavy_ball_momentum(inner_optimizer) <= 0:
             raise ValueError(
                 'staleness="momentum" lowers the momentum of a keras.optimizers.SGD '
@@ -243,6 +311,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         self.dc_momentum = float(dc_momentum)
         self.staleness_decay = float(staleness_decay)
         self.gap_decay = float(gap_decay)
+        self.sparse_updates = sparse_updates
 
     @property
     def rule(self) -> str | Callable:
@@ -345,6 +414,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             # Outside tf_diffmap.Strategy every update has staleness 0.
             self.inner_optimizer.apply(grads, variables)
             return
+        state.sparse_updates = self.sparse_updates
         claim = state.claim(after=grads, record=False)
         rule = self.rule
         # "momentum" takes both its momentum and its learning-rate factor
@@ -412,17 +482,21 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                     compensated.append(None)
                     continue
                 tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
-                mean_square = self._mean_squares[id(variable)]
-                gradient = tf.convert_to_tensor(gradient)
-                ms_before = tf.cast(mean_square.value.read_value(), gradient.dtype)
-                step = rules.mean_square_step(ms_before, gradient, self.dc_momentum)
-                mean_square.value.assign_add(tf.cast(step, mean_square.dtype))
-                params_read = tf.cast(state.read_value_of(tf_variable), gradient.dtype)
-                params_now = tf.cast(tf_variable.read_value(), gradient.dtype)
+                rows = _Rows(gradient, tf_variable, state)
+                mean_square = rows.of(self._mean_squares[id(variable)].value)
+                ms_before = tf.cast(mean_square.read(), rows.dtype)
+                step = rules.mean_square_step(ms_before, rows.gradient, self.dc_momentum)
+                mean_square.add(step)
                 # DC-ASGD-a's lambda uses MeanSquare(t), this gradient included.
                 compensated.append(
-                    rules.delay_compensated_gradient(
-                        gradient, params_now, params_read, ms_before + step, self.dc_lambda
+                    rows.gradient_of(
+                        rules.delay_compensated_gradient(
+                            rows.gradient,
+                            rows.params_now(),
+                            rows.params_read(),
+                            ms_before + step,
+                            self.dc_lambda,
+                        )
                     )
                 )
         return compensated
@@ -444,28 +518,26 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                     penalized.append(None)
                     continue
                 tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
-                gradient = tf.convert_to_tensor(gradient)
-                square = self._step_squares[id(variable)].value
-                square_now = tf.cast(square.read_value(), gradient.dtype)
-                params_now = tf.cast(tf_variable.read_value(), gradient.dtype)
-                params_read = tf.cast(state.read_value_of(tf_variable), gradient.dtype)
-                corrected = square_now / tf.cast(tf.maximum(weight_now, 1e-12), gradient.dtype)
+                rows = _Rows(gradient, tf_variable, state)
+                square = rows.of(self._step_squares[id(variable)].value)
+                square_now = tf.cast(square.read(), rows.dtype)
+                params_now = rows.params_now()
+                corrected = square_now / tf.cast(tf.maximum(weight_now, 1e-12), rows.dtype)
                 penalty = tf.where(
                     weight_now > 0,
-                    rules.gap_penalty(params_now, params_read, corrected),
-                    tf.ones_like(gradient),
+                    rules.gap_penalty(params_now, rows.params_read(), corrected),
+                    tf.ones_like(rows.gradient),
                 )
-                penalized.append(gradient / penalty)
-                measured.append((tf_variable, square, square_now, params_now))
+                penalized.append(rows.gradient_of(rows.gradient / penalty))
+                measured.append((rows, square, square_now, params_now))
         decay = self.gap_decay
 
         def measure_steps():
-            for tf_variable, square, square_now, params_before in measured:
+            for rows, square, square_now, params_before in measured:
                 # Read after this update was applied (the step's automatic
                 # control dependencies order it after the variable's update).
-                step = tf.cast(tf_variable.read_value(), params_before.dtype) - params_before
-                change = rules.mean_square_step(square_now, step, decay)
-                square.assign_add(tf.cast(change, square.dtype))
+                step = rows.params_now() - params_before
+                square.add(rules.mean_square_step(square_now, step, decay))
             weight.assign_add(
                 tf.cast(rules.moving_average_step(weight_now, 1.0, decay), weight.dtype)
             )
@@ -488,6 +560,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
                 "dc_momentum": self.dc_momentum,
                 "staleness_decay": self.staleness_decay,
                 "gap_decay": self.gap_decay,
+                "sparse_updates": self.sparse_updates,
             }
         )
         for key in _BASE_ARGUMENTS:
@@ -511,6 +584,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             "dc_momentum",
             "staleness_decay",
             "gap_decay",
+            "sparse_updates",
             "name",
         )
         kwargs = {k: config[k] for k in known if k in config}

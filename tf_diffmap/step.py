@@ -52,6 +52,8 @@ class StepState:
         replica_id: int32 scalar tensor.
         read_version: the store version read before the forward pass.
         claimed: whether any claim was made while tracing.
+        sparse_updates: `"lazy"` (rows only) or `"dense"` (Keras' update),
+            for the step's `IndexedSlices` gradients (`tf_diffmap.sparse`).
     """
 
     def __init__(
@@ -63,11 +65,17 @@ class StepState:
         self.graph = tf.compat.v1.get_default_graph()
         self.read_version = store.read_version()
         self.claimed = False
+        # How an `IndexedSlices` gradient is applied (`tf_diffmap.sparse`);
+        # `AsyncOptimizer(sparse_updates=...)` sets it for its updates.
+        self.sparse_updates = "lazy"
         self._claims: dict[Any, Claim] = {}
         self._deferred: dict[Any, list] = {}
         # Filled on first use: the step graph's first read of each variable.
         self._first_reads: dict[int, tf.Tensor] | None = None
         self._internal_handles: dict[int, tf.Tensor] = {}
+        # Per variable id, how the step read a large variable (see
+        # `_tf_internal.StoreVariable`): filled when the step claims.
+        self._row_reads: dict[int, _tf_internal.RowReads] = {}
 
     @staticmethod
     def _graph_key(graph) -> Any:
@@ -102,6 +110,7 @@ class StepState:
         existing = self.current_claim()
         if existing is not None:
             return existing
+        self._resolve_reads()
         deps = [t for t in (as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
         with tf.control_dependencies(deps):
             claim = Claim(self.store.claim_version(self.read_version, self.replica_id))
@@ -136,6 +145,42 @@ class StepState:
         if self._deferred.get(key):
             self.claim(after=outputs)
             self.flush()
+        self._resolve_reads()
+
+    def _resolve_reads(self) -> None:
+        if not tf.executing_eagerly():
+            self._row_reads.update(_tf_internal.resolve_row_reads())
+
+    def read_rows_of(self, variable, ids: tf.Tensor) -> tf.Tensor:
+        """Rows `ids` of `variable` as this step's forward pass read them.
+
+        For a table the step gathered rows of, those are the rows its
+        lookups read; an id no lookup read (and a variable read whole)
+        takes the row from the step's whole read, or reads it now.
+
+        Args:
+            variable: a `tf.Variable` the step read.
+            ids: int64 `[k]` row ids.
+
+        Returns:
+            `[k, ...]` rows.
+        """
+        reads = self._row_reads.get(id(variable))
+        if reads is None or reads.value is not None or not reads.lookups:
+            return tf.gather(self.read_value_of(variable), ids)
+        if len(reads.lookups) == 1:
+            looked_up, rows = reads.lookups[0]
+        else:
+            looked_up = tf.concat([i for i, _ in reads.lookups], 0)
+            rows = tf.concat([r for _, r in reads.lookups], 0)
+        order = tf.argsort(looked_up, stable=True)
+        ordered = tf.gather(looked_up, order)
+        at = tf.minimum(tf.searchsorted(ordered, ids), tf.size(ordered) - 1)
+        found = tf.gather(ordered, at) == ids
+        read = tf.gather(rows, tf.gather(order, at))
+        now = variable.sparse_read(ids)
+        mask = tf.reshape(found, [-1] + [1] * (read.shape.rank - 1))
+        return tf.where(mask, read, now)
 
     def read_value_of(self, variable) -> tf.Tensor:
         """The value of `variable` that this step's forward pass read.
@@ -144,6 +189,9 @@ class StepState:
         in the step's graph; a variable the forward pass did not read (and an
         eager step) reads it now.
         """
+        reads = self._row_reads.get(id(variable))
+        if reads is not None and reads.value is not None:
+            return reads.value
         if not tf.executing_eagerly() and self._first_reads is None:
             self._internal_handles = {
                 id(external): internal for external, internal in self.graph.captures
@@ -175,15 +223,25 @@ def tracing_step(state: StepState | None):
         _tracing.active,
         _tracing.step_graph,
         _tracing.snapshots,
+        _tracing.reads_as_rows,
+        _tracing.stand_ins,
         getattr(_current, "step", None),
     )
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     _tracing.active, _tracing.step_graph, _tracing.snapshots = True, graph, {}
+    _tracing.reads_as_rows, _tracing.stand_ins = graph is not None, {}
     _current.step = state
     try:
         yield
     finally:
-        _tracing.active, _tracing.step_graph, _tracing.snapshots, _current.step = previous
+        (
+            _tracing.active,
+            _tracing.step_graph,
+            _tracing.snapshots,
+            _tracing.reads_as_rows,
+            _tracing.stand_ins,
+            _current.step,
+        ) = previous
 
 
 def as_dependency(value):

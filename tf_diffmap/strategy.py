@@ -37,7 +37,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, faults, inputs, outputs
+from tf_diffmap import _tf_internal, faults, inputs, outputs, sparse
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
@@ -446,8 +446,18 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             learning_rate = tf.convert_to_tensor(learning_rate)
             learning_rate = learning_rate * tf.cast(claim.lr_scale, learning_rate.dtype)
             args = (gradient, learning_rate)
-        with tf.control_dependencies([claim.staleness]), tf.device(var.device):
-            return fn(var, *args, **kwargs)
+        with tf.control_dependencies([claim.staleness]):
+            if (
+                state.sparse_updates == "lazy"
+                and len(args) == 2
+                and not kwargs
+                and isinstance(args[0], tf.IndexedSlices)
+            ):
+                optimizer = _tf_internal.optimizer_of_update(fn)
+                if optimizer is not None and sparse.updates_rows(optimizer):
+                    return sparse.update_rows(optimizer, var, *args)
+            with tf.device(var.device):
+                return fn(var, *args, **kwargs)
 
     def _update(self, var, fn, args, kwargs, group):
         with tf.device(var.device):
