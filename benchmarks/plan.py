@@ -183,8 +183,8 @@ class Plan:
         embedding_optimizers: keys of `workloads.EMBEDDING_OPTIMIZERS`.
         embedding_batch_size: the global batch size.
         embedding_examples_per_epoch: training examples.
-        embedding_epochs: epochs of each run: the first is not timed, and
-            the validation accuracy is read after the last.
+        embedding_epochs: epochs of each run: the first is not timed; the
+            validation accuracy is read after each.
     """
 
     name: str
@@ -294,7 +294,7 @@ class Plan:
     embedding_optimizers: tuple[str, ...] = ("sgd", "adagrad", "adam")
     embedding_batch_size: int = 256
     embedding_examples_per_epoch: int = 16384
-    embedding_epochs: int = 6
+    embedding_epochs: int = 10
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -329,7 +329,7 @@ PRESETS = {
         fault_kill_at=10.0,
         fault_restart_at=20.0,
         embedding_optimizers=("sgd", "adam"),
-        embedding_epochs=4,
+        embedding_epochs=6,
     ),
     # Two sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(

@@ -461,3 +461,33 @@ def test_checkouts_refuses_no_rounds():
         timeout=60,
     )
     assert result.returncode == 2 and "--rounds must be at least 1, received 0" in result.stderr
+
+
+@pytest.mark.slow
+def test_smoke_embeddings(tmp_path):
+    """The embedding workload runs both contenders at both table sizes and
+    reports its three targets from their rows."""
+    proc, results = _run_suite(tmp_path, "--only", "embeddings", "--device", "cpu")
+    rows = results["embeddings"]
+    assert {(r["contender"], r["rows"]) for r in rows} == {
+        (c, n) for c in ("plain_keras", "tf_diffmap") for n in (2_000, 20_000)
+    }
+    for row in rows:
+        assert row["examples_per_second"] > 0
+        assert 0 <= row["val_accuracy"] <= row["best_val_accuracy"] <= 1
+        assert (row["mean_staleness"] is None) == (row["contender"] == "plain_keras")
+
+    def eps(contender, n):
+        (row,) = [r for r in rows if r["contender"] == contender and r["rows"] == n]
+        return row["examples_per_second"]
+
+    targets = {t["key"]: t for t in results["targets"]}
+    assert targets["embedding_scaling"]["measured"] == pytest.approx(
+        eps("tf_diffmap", 20_000) / eps("tf_diffmap", 2_000)
+    )
+    assert targets["embedding_vs_keras"]["measured"] == pytest.approx(
+        eps("tf_diffmap", 20_000) / eps("plain_keras", 20_000)
+    )
+    assert targets["embedding_accuracy"]["unit"] == " pt"
+    assert "## Embeddings" in (tmp_path / "results.md").read_text()
+    assert "embeddings: sgd, 20,000 rows, tf_diffmap" in proc.stderr
