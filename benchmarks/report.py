@@ -539,31 +539,21 @@ def _cluster(runs) -> list[dict[str, Any]]:
     return rows
 
 
-def _target(key: str, measured, note: str = "", target: float | None = None) -> dict[str, Any]:
-    text, op, value = next((d, o, v) for k, d, o, v in TARGETS if k == key)
+def _target(
+    key: str,
+    measured,
+    note: str = "",
+    target: float | None = None,
+    table=TARGETS,
+    unit: str = "x",
+    model: str | None = None,
+) -> dict[str, Any]:
+    text, op, value = next((d, o, v) for k, d, o, v in table if k == key)
     value = value if target is None else target
     met = None if measured is None else (measured >= value if op == ">=" else measured <= value)
     return {
         "key": key,
-        "model": None,
-        "input": "dataset",
-        "description": text,
-        "measured": measured,
-        "comparison": op,
-        "target": value,
-        "unit": "x",
-        "met": met,
-        "note": note,
-    }
-
-
-def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
-    text, op, value = next((d, o, v) for k, d, o, v in embeddings.TARGETS if k == key)
-    met = None if measured is None else measured >= value
-    unit = " pt" if key == "embedding_accuracy" else "x"
-    return {
-        "key": key,
-        "model": "embeddings",
+        "model": model,
         "input": "dataset",
         "description": text,
         "measured": measured,
@@ -573,6 +563,11 @@ def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
         "met": met,
         "note": note,
     }
+
+
+def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
+    unit = " pt" if key == "embedding_accuracy" else "x"
+    return _target(key, measured, note, table=embeddings.TARGETS, unit=unit, model="embeddings")
 
 
 def _control_targets(control) -> list[dict[str, Any]]:

@@ -73,6 +73,9 @@ OPTIMIZERS = {
     "gap": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.5), staleness="gap"),
     "dc": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.5), staleness="dc"),
     "adam_inverse": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(1e-2), "inverse"),
+    "momentum_rule": lambda: tf_diffmap.AsyncOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), staleness="momentum"
+    ),
 }
 
 
@@ -362,3 +365,52 @@ def test_sparse_updates_is_checked_and_saved():
     optimizer = tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(), sparse_updates="dense")
     again = tf_diffmap.AsyncOptimizer.from_config(optimizer.get_config())
     assert again.sparse_updates == "dense"
+
+
+def _custom_loop(step_body):
+    """A one-replica strategy, an embedding table of 20,000 rows, SGD(1.0),
+    and a `tf.function` that runs `step_body(table, optimizer, ids)` in it."""
+    strategy = tf_diffmap.Strategy(devices=["/device:CPU:0"])
+    with strategy.scope():
+        table = keras.layers.Embedding(20_000, 8)
+        table.build((None, IDS))
+        optimizer = keras.optimizers.SGD(1.0)
+
+    @tf.function
+    def train(ids):
+        return strategy.run(step_body, args=(table, optimizer, ids))
+
+    return table, train
+
+
+def test_rows_read_before_the_update_keep_their_value_when_used_after_it():
+    def step(table, optimizer, ids):
+        with tf.GradientTape() as tape:
+            rows = table(ids)
+            loss = tf.reduce_sum(rows)
+        grads = tape.gradient(loss, table.trainable_variables)
+        optimizer.apply_gradients(zip(grads, table.trainable_variables))
+        # Both made after the update: the rows as the forward pass read them.
+        return rows, tf.reduce_sum(rows, axis=-1)
+
+    table, train = _custom_loop(step)
+    ids = tf.constant(np.arange(IDS, dtype="int32")[None])
+    before = table.embeddings.numpy()[:IDS].copy()
+    rows, sums = train(ids)
+    np.testing.assert_allclose(rows.numpy()[0], before)
+    np.testing.assert_allclose(sums.numpy()[0], before.sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(table.embeddings.numpy()[:IDS], before - 1.0)
+
+
+def test_a_whole_value_used_only_after_the_update_is_refused_clearly():
+    def step(table, optimizer, ids):
+        whole = tf.convert_to_tensor(table.embeddings)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(table(ids))
+        grads = tape.gradient(loss, table.trainable_variables)
+        optimizer.apply_gradients(zip(grads, table.trainable_variables))
+        return tf.reduce_sum(whole)
+
+    _, train = _custom_loop(step)
+    with pytest.raises(ValueError, match="read before this step's update is used after"):
+        train(tf.constant(np.arange(IDS, dtype="int32")[None]))

@@ -445,11 +445,14 @@ class RowReads:
             (int64), rows `[n, ...]`, read where the variable lives.
         value: a whole read of it, made when something used its value
             other than by gathering rows; else None.
+        replaced: `(stand-in or gather, its replacement)` pairs, for uses
+            made after the claim (`rewire_late_uses`).
     """
 
     variable: object
     lookups: list[tuple[tf.Tensor, tf.Tensor]]
     value: tf.Tensor | None = None
+    replaced: list[tuple[tf.Tensor, tf.Tensor | None]] = dataclasses.field(default_factory=list)
 
 
 def _gathers_rows(op, stand_in: tf.Tensor) -> bool:
@@ -514,6 +517,7 @@ def resolve_row_reads() -> dict[int, RowReads]:
                             validate_indices=True,
                         )
                         _reroute(op.outputs[0], rows)
+                        reads.replaced.append((op.outputs[0], rows))
                         ids = tf.reshape(tf.cast(op.inputs[1], tf.int64), [-1])
                         reads.lookups.append((ids, tf.reshape(rows, [-1, *row_shape])))
                     if others:
@@ -522,7 +526,52 @@ def resolve_row_reads() -> dict[int, RowReads]:
                                 resource=variable.handle, dtype=variable.dtype
                             )
                         _reroute(stand_in, reads.value, others)
+                    reads.replaced.append((stand_in, reads.value))
     return resolved
+
+
+def rewire_late_uses(resolved: dict[int, RowReads], outputs):
+    """Gives the uses of stand-ins and of their gathers made after the claim
+    their replacements, and returns `outputs` with them replaced too.
+
+    A use made after the claim of a value read before it (a step that
+    returns a lookup's rows, or computes from them once the update is
+    applied) gets the read made at the claim, which ran before the update,
+    as the value it stands for did.
+
+    Raises:
+        ValueError: a use of a table's whole value read before the claim,
+            made after it, when nothing before the claim read it whole (a
+            whole read made now would see the step's own update).
+    """
+    replacements = {}
+    for reads in resolved.values():
+        gathers = {old.op for old, _ in reads.replaced if old.op.type == "GatherV2"}
+        for old, new in reads.replaced:
+            late = [op for op in old.consumers() if op not in gathers]
+            if new is None:
+                if late or _is_in(old, outputs):
+                    user = late[0].name if late else "the step's outputs"
+                    raise ValueError(
+                        f"The value of `{reads.variable.name}` read before this step's "
+                        f"update is used after the update, by {user}. Inside a replica "
+                        "step tf_diffmap reads a large table by rows, and whole only "
+                        "where it is used whole before the update: use its value "
+                        "before `apply_gradients`, or read the variable again after "
+                        "it (it then holds the updated value)."
+                    )
+                continue
+            _reroute(old, new, late)
+            replacements[old.ref()] = new
+    if not replacements:
+        return outputs
+    return tf.nest.map_structure(
+        lambda t: replacements.get(t.ref(), t) if isinstance(t, tf.Tensor) else t, outputs
+    )
+
+
+def _is_in(tensor: tf.Tensor, structure) -> bool:
+    return any(t is tensor for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor))
 
 
 def replica_tracing() -> _ReplicaTracing:

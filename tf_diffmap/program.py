@@ -196,7 +196,7 @@ class Program:
                     with tracing_step(state):
                         with tf.control_dependencies([state.read_version]):
                             outputs = fn(*args, **kwargs)
-                        state.finish(outputs)
+                        outputs = state.finish(outputs)
                     # Claims this replica has made in all (read after this
                     # step's records): a claim inside a branch may not run.
                     claims = extended._store.claims_of(replica_id)

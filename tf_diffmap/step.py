@@ -139,13 +139,22 @@ class StepState:
                 for update in pending:
                     update()
 
-    def finish(self, outputs: Any) -> None:
-        """Runs what was deferred, claiming a version if none was yet."""
+    def finish(self, outputs: Any) -> Any:
+        """Runs what was deferred, claiming a version if none was yet.
+
+        Returns:
+            `outputs`, where a value read by rows stood in for is replaced
+            by its read (see `_tf_internal.rewire_late_uses`).
+        """
         key = self._graph_key(None if tf.executing_eagerly() else self.graph)
         if self._deferred.get(key):
             self.claim(after=outputs)
             self.flush()
         self._resolve_reads()
+        if tf.executing_eagerly():
+            return outputs
+        with self.graph.as_default():
+            return _tf_internal.rewire_late_uses(self._row_reads, outputs)
 
     def _resolve_reads(self) -> None:
         if not tf.executing_eagerly():

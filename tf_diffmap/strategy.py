@@ -351,7 +351,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             state = StepState(self._store, tf.constant(0, tf.int32), batch_size(leaves))
             with tracing_step(state):
                 outputs = fn(*args, **kwargs)
-                state.finish(outputs)
+                outputs = state.finish(outputs)
             if state.claimed:
                 self._store.complete(0, self._store.claims_of(0) - before)
         return outputs
