@@ -29,6 +29,31 @@ def test_a_changed_signature_is_reported(monkeypatch):
     assert any("_reduce_to" in p for p in _tf_internal.compatibility_problems())
 
 
+@pytest.mark.parametrize(
+    "owner, name, reported",
+    [
+        ("resource_variable_ops", "UninitializedVariable", "UninitializedVariable is gone"),
+        ("record", "record_operation", "record.record_operation is gone"),
+        ("resource_variable_ops", "variable_accessed", "variable_accessed is gone"),
+        ("trackable_base", "VARIABLE_VALUE_KEY", "VARIABLE_VALUE_KEY is gone"),
+    ],
+)
+def test_what_a_split_variable_relies_on_is_checked(monkeypatch, owner, name, reported):
+    monkeypatch.delattr(getattr(_tf_internal, owner), name)
+    assert any(reported in p for p in _tf_internal.compatibility_problems())
+
+
+def test_a_keras_variable_that_keeps_its_checkpoint_to_itself_is_reported(monkeypatch):
+    import keras
+
+    monkeypatch.setattr(keras.Variable, "_serialize_to_tensors", lambda self: {})
+    problems = _tf_internal.compatibility_problems()
+    assert any("keras.Variable._serialize_to_tensors no longer" in p for p in problems)
+    monkeypatch.setattr(_tf_internal, "ResourceVariable", type("Bare", (), {}))
+    problems = _tf_internal.compatibility_problems()
+    assert any("ResourceVariable._restore_from_tensors is gone" in p for p in problems)
+
+
 def test_keras_optimizers_remember_the_strategy_they_were_created_under():
     """What the outside-the-scope error reads, and the error it replaces."""
     import keras

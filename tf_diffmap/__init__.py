@@ -13,6 +13,7 @@ from tf_diffmap import testing
 from tf_diffmap.callbacks import StalenessTensorBoard
 from tf_diffmap.devices import default_replica_devices, split_devices
 from tf_diffmap.optimizer import AsyncOptimizer
+from tf_diffmap.partitioned import RowPartitioner
 from tf_diffmap.staleness import StalenessStats, staleness_bound
 from tf_diffmap.strategy import Strategy
 
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Strategy",
     "AsyncOptimizer",
+    "RowPartitioner",
     "staleness_bound",
     "StalenessStats",
     "StalenessTensorBoard",

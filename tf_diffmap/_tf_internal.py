@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
+from tensorflow.python.trackable import base as trackable_base
 
 from tf_diffmap.devices import task_of
 
@@ -111,9 +112,35 @@ def compatibility_problems() -> list[str]:
     if not any("_distribution_strategy" in _source(c.__init__) for c in optimizer_classes):
         problems.append("Keras optimizers no longer have `_distribution_strategy`")
     problems += _optimizer_problems()
+    problems += _variable_problems()
     for name in ("_set_device", "_is_stateful", "_update_input"):
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
+    return problems
+
+
+def _variable_problems() -> list[str]:
+    """What `StoreVariable` and `PartitionedVariable` rely on."""
+    problems = []
+    uninitialized = getattr(resource_variable_ops, "UninitializedVariable", None)
+    if uninitialized is None:
+        problems.append("resource_variable_ops.UninitializedVariable is gone")
+    else:
+        wanted = {"shape", "dtype", "name", "trainable", "synchronization", "aggregation"}
+        missing = wanted - set(_parameter_names(uninitialized.__init__))
+        if missing:
+            problems.append(f"UninitializedVariable no longer takes {sorted(missing)}")
+    if not callable(getattr(record, "record_operation", None)):
+        problems.append("tensorflow.python.eager.record.record_operation is gone")
+    if not callable(getattr(resource_variable_ops, "variable_accessed", None)):
+        problems.append("resource_variable_ops.variable_accessed is gone")
+    if getattr(trackable_base, "VARIABLE_VALUE_KEY", None) is None:
+        problems.append("Trackable's VARIABLE_VALUE_KEY is gone")
+    for name in ("_serialize_to_tensors", "_restore_from_tensors", "_export_to_saved_model_graph"):
+        if not callable(getattr(ResourceVariable, name, None)):
+            problems.append(f"ResourceVariable.{name} is gone")
+        elif f"self.value.{name}" not in _source(getattr(keras.Variable, name, None)):
+            problems.append(f"keras.Variable.{name} no longer hands over to its tf.Variable")
     return problems
 
 
@@ -248,19 +275,16 @@ def capture_summary_state() -> Callable[[], None]:
     return install
 
 
-class StoreVariable(ResourceVariable):
-    """A resource variable of the parameter store.
+class InStore:
+    """What every variable of the parameter store adds to a resource variable.
 
-    Two things differ from a plain resource variable:
-
-    * an eager read or write from a thread that is not a replica worker first
+    * An eager read or write from a thread that is not a replica worker first
       waits for the updates in flight (`on_host_access`), so that whatever
       reads the model as a whole (an epoch's metrics, `get_weights`, a
-      checkpoint, a callback) sees every update that was dispatched;
-    * inside a replica step, Keras' `v.assign(v + d)` (how a Keras variable
-      implements `assign_add`) is applied as one atomic `assign_add(d)`, so
-      that counters and metric totals lose no increment when replicas write
-      them at the same time.
+      checkpoint, a callback) sees every update that was dispatched.
+    * Inside a replica step, a large trainable variable read before the
+      step's version claim gets a stand-in for its value (`_stands_in`),
+      which `resolve_row_reads` turns into reads of the rows the step gathers.
     """
 
     _on_host_access: Callable[[], None] | None = None
@@ -268,6 +292,60 @@ class StoreVariable(ResourceVariable):
     _snapshot_in_steps = False
     # Read as rows where a replica step gathers rows (see `_read_variable_op`).
     _read_as_rows = False
+
+    def _before_eager_access(self) -> None:
+        if self._on_host_access is not None and tf.executing_eagerly():
+            self._on_host_access()
+
+    def _stands_in(self) -> bool:
+        """Whether a read now gets a stand-in: a large trainable variable read
+        by a replica step's own graph before the step claims its version.
+
+        Keras reads a table whole and gathers rows from the copy
+        (`ops.take`), which moves and, once the table has had a sparse
+        update, copies the whole table at every step. At the claim
+        (`resolve_row_reads`) each gather of the stand-in becomes a gather
+        beside the table, which reads only the rows, and any other use of
+        it gets a whole read of the variable.
+        """
+        return (
+            self._read_as_rows
+            and _replica_tracing.reads_as_rows
+            and not tf.executing_eagerly()
+            and tf.compat.v1.get_default_graph() is _replica_tracing.step_graph
+        )
+
+    def _atomic_delta(self, value):
+        """`d` when `value` is `self + d` read inside this trace, else None."""
+        if tf.executing_eagerly() or not isinstance(value, tf.Tensor):
+            return None
+        op = value.op
+        if op.type not in ("AddV2", "Add", "Sub"):
+            return None
+        first, second = op.inputs
+        if not self._is_whole_read(first):
+            return None
+        return second if op.type != "Sub" else -second
+
+
+def is_read_of(tensor: tf.Tensor, handle) -> bool:
+    """Whether `tensor` is a `ReadVariableOp` of `handle` (or of its capture)."""
+    read = tensor.op
+    if read.type != "ReadVariableOp":
+        return False
+    used = read.inputs[0]
+    captured = dict((id(i), e) for e, i in getattr(read.graph, "captures", ()))
+    return captured.get(id(used)) is handle or used is handle
+
+
+class StoreVariable(InStore, ResourceVariable):
+    """A resource variable of the parameter store.
+
+    Besides what `InStore` adds, inside a replica step Keras'
+    `v.assign(v + d)` (how a Keras variable implements `assign_add`) is
+    applied as one atomic `assign_add(d)`, so that counters and metric
+    totals lose no increment when replicas write them at the same time.
+    """
 
     @classmethod
     def adopt(cls, variable: tf.Variable, on_host_access: Callable[[], None]):
@@ -289,10 +367,6 @@ class StoreVariable(ResourceVariable):
         )
         return variable
 
-    def _before_eager_access(self) -> None:
-        if self._on_host_access is not None and tf.executing_eagerly():
-            self._on_host_access()
-
     def snapshot_in_steps(self) -> None:
         """Every read inside one replica step returns the step's first read.
 
@@ -303,48 +377,29 @@ class StoreVariable(ResourceVariable):
         self._snapshot_in_steps = True
 
     def _read_variable_op(self, no_copy=False):
-        """Reads the variable, or stands in for the read inside a replica step.
-
-        A large trainable variable (an embedding table) read by a replica
-        step before the step claims its version gets a stand-in for its
-        value: Keras reads a table whole and gathers rows from the copy
-        (`ops.take`), which moves and, once the table has had a sparse
-        update, copies the whole table at every step. At the claim
-        (`resolve_row_reads`) each gather of the stand-in becomes a
-        `ResourceGather` beside the table, which reads only the rows, and any
-        other use of it gets a whole read of the variable.
-        """
+        """Reads the variable, or stands in for the read inside a replica
+        step (see `InStore._stands_in`)."""
         self._before_eager_access()
         if self._snapshot_in_steps and _replica_tracing.active and not tf.executing_eagerly():
             return _replica_tracing.snapshot(
                 self, lambda: super(StoreVariable, self)._read_variable_op(no_copy=no_copy)
             )
-        if (
-            self._read_as_rows
-            and _replica_tracing.reads_as_rows
-            and not tf.executing_eagerly()
-            and tf.compat.v1.get_default_graph() is _replica_tracing.step_graph
-        ):
+        if self._stands_in():
             return _replica_tracing.stand_in(self)
         return super()._read_variable_op(no_copy=no_copy)
 
-    def _atomic_delta(self, value):
-        """`d` when `value` is `self + d` read inside this trace, else None."""
-        if tf.executing_eagerly() or not isinstance(value, tf.Tensor):
-            return None
-        op = value.op
-        if op.type not in ("AddV2", "Add", "Sub"):
-            return None
-        first, second = op.inputs
-        read = first.op
-        if read.type != "ReadVariableOp":
-            return None
-        graph = op.graph
-        handle = read.inputs[0]
-        captured = dict((id(i), e) for e, i in graph.captures)
-        if captured.get(id(handle)) is not self.handle and handle is not self.handle:
-            return None
-        return second if op.type != "Sub" else -second
+    def _is_whole_read(self, tensor) -> bool:
+        return is_read_of(tensor, self.handle)
+
+    def _gather_where_stored(self, ids: tf.Tensor) -> tf.Tensor:
+        """Rows `ids` (any shape) read beside the variable (at the claim)."""
+        return tf.raw_ops.ResourceGather(
+            resource=self.handle, indices=ids, dtype=self.dtype, validate_indices=True
+        )
+
+    def _read_whole(self) -> tf.Tensor:
+        """The whole value, read without a tape record (at the claim)."""
+        return tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         self._before_eager_access()
@@ -476,13 +531,15 @@ def resolve_row_reads() -> dict[int, RowReads]:
     """Gives the stand-ins of this replica step their reads (at its claim).
 
     Each row gather of a stand-in becomes a `ResourceGather` of the same
-    ids, which runs beside the variable and moves only the rows; every
-    other user of a stand-in (an op that needs the whole value) reads the
-    variable whole. The reads run after what the stand-in waited for (the
-    step's read of the store version), and, being made before the step's
-    first update, before any update of the step (`tf.function` orders the
-    ops on one variable in the order they were made). From here on the
-    step reads its variables as usual.
+    ids, which runs beside the variable and moves only the rows (for a
+    variable split by rows, one beside each shard, of the ids it holds,
+    the rows put back in order where the step runs); every other user of a
+    stand-in (an op that needs the whole value) reads the variable whole.
+    The reads run after what the stand-in waited for (the step's read of
+    the store version), and, being made before the step's first update,
+    before any update of the step (`tf.function` orders the ops on one
+    variable in the order they were made). From here on the step reads its
+    variables as usual.
 
     Uses the private `Operation._update_input`, the one way to change what
     an op of a graph being traced takes as input.
@@ -510,21 +567,14 @@ def resolve_row_reads() -> dict[int, RowReads]:
                         if not _gathers_rows(op, stand_in):
                             others.append(op)
                             continue
-                        rows = tf.raw_ops.ResourceGather(
-                            resource=variable.handle,
-                            indices=op.inputs[1],
-                            dtype=variable.dtype,
-                            validate_indices=True,
-                        )
+                        rows = variable._gather_where_stored(op.inputs[1])
                         _reroute(op.outputs[0], rows)
                         reads.replaced.append((op.outputs[0], rows))
                         ids = tf.reshape(tf.cast(op.inputs[1], tf.int64), [-1])
                         reads.lookups.append((ids, tf.reshape(rows, [-1, *row_shape])))
                     if others:
                         if reads.value is None:
-                            reads.value = tf.raw_ops.ReadVariableOp(
-                                resource=variable.handle, dtype=variable.dtype
-                            )
+                            reads.value = variable._read_whole()
                         _reroute(stand_in, reads.value, others)
                     reads.replaced.append((stand_in, reads.value))
     return resolved
@@ -576,6 +626,52 @@ def _is_in(tensor: tf.Tensor, structure) -> bool:
 
 def replica_tracing() -> _ReplicaTracing:
     return _replica_tracing
+
+
+# -- what a variable split by rows uses (`tf_diffmap.partitioned`) -----------
+
+# The base of `partitioned.PartitionedVariable`: a variable whose handle is
+# made, never allocated; `compatibility_problems` says when it is gone.
+UninitializedVariable = getattr(
+    resource_variable_ops, "UninitializedVariable", resource_variable_ops.BaseResourceVariable
+)
+
+# The name a variable's value has in a checkpoint.
+VARIABLE_VALUE_KEY = getattr(trackable_base, "VARIABLE_VALUE_KEY", "VARIABLE_VALUE")
+
+
+def record_read(variable, value: tf.Tensor) -> None:
+    """Tells the gradient tapes that `value` is a read of `variable`.
+
+    A gradient of `value` then reaches `variable` (its handle), as for a
+    read of a plain variable.
+    """
+    resource_variable_ops.variable_accessed(variable)
+    record.record_operation(
+        "ReadVariableOp",
+        [value],
+        [variable.handle],
+        backward_function=lambda x: [x],
+        forward_function=lambda x: [x],
+    )
+
+
+def record_rows_read(variable, ids: tf.Tensor, rows: tf.Tensor) -> None:
+    """Tells the gradient tapes that `rows` are rows `ids` of `variable`.
+
+    Their gradient reaches `variable` as `tf.IndexedSlices` of those ids.
+    """
+    resource_variable_ops.variable_accessed(variable)
+    dense_shape = tf.constant(variable.shape.as_list(), tf.int64)
+    row_shape = variable.shape.as_list()[1:]
+
+    def rows_gradient(gradient):
+        values = tf.reshape(gradient, [-1, *row_shape])
+        return [tf.IndexedSlices(values, tf.reshape(ids, [-1]), dense_shape), None]
+
+    record.record_operation(
+        "ResourceGather", [rows], [variable.handle, ids], backward_function=rows_gradient
+    )
 
 
 # -- where a replica step's bookkeeping runs ---------------------------------

@@ -151,10 +151,12 @@ def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT
         connect_timeout: seconds to wait for every worker and ps task to
             serve before raising `tf.errors.UnavailableError` naming them.
         **kwargs: other `Strategy` options (`replicas_per_device`,
-            `max_staleness`, `queue_size`).
+            `max_staleness`, `queue_size`, `variable_partitioner`).
 
     Returns:
-        The strategy; variables are sharded over the ps tasks.
+        The strategy; variables are sharded over the ps tasks, and with
+        several ps tasks a large one (an embedding table) is split by rows
+        over them (`Strategy(variable_partitioner=...)`).
     """
     from tf_diffmap.devices import host_cpu
     from tf_diffmap.strategy import Strategy

@@ -30,6 +30,11 @@ Semantics ("lazy", the default, and "dense"; `AsyncOptimizer(sparse_updates=)`):
 
 Keras' weight decay (`weight_decay=`) and `global_clipnorm` stay Keras' own,
 dense, on every row.
+
+A table split by rows over several parameter devices (`tf_diffmap.partitioned`)
+is updated shard by shard: the touched rows are sent, from where the gradient
+was computed, to the shard that holds each, and each shard's update reads and
+writes that shard and its own shards of the slots, on its device.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.partitioned import PartitionedVariable
 
 __all__ = ["SEMANTICS", "row_update_kind", "unique_rows", "update_rows", "updates_rows"]
 
@@ -119,12 +125,39 @@ def update_rows(optimizer, variable, gradient: tf.IndexedSlices, learning_rate):
     if kind is None:
         raise ValueError(f"{type(optimizer).__name__} has no row update (see `updates_rows`).")
     ids, rows = unique_rows(gradient)
-    with tf.device(variable.device):
-        dtype = variable.dtype
-        rows = tf.cast(rows, dtype)
-        lr = tf.cast(learning_rate, dtype)
-        slots = _tf_internal.optimizer_slots(optimizer, variable)
-        return _ROW_UPDATES[kind](optimizer, variable, slots, ids, rows, lr)
+    update = _ROW_UPDATES[kind]
+    slots = _tf_internal.optimizer_slots(optimizer, variable)
+    split = _split_alike(variable, slots)
+    if split is None:
+        with tf.device(variable.device):
+            dtype = variable.dtype
+            rows = tf.cast(rows, dtype)
+            lr = tf.cast(learning_rate, dtype)
+            return update(optimizer, variable, slots, ids, rows, lr)
+    # A variable split by rows: the rows go to their shards from where the
+    # gradient was computed, and each shard's update runs beside it, on its
+    # shards of the slots.
+    rows = tf.cast(rows, variable.dtype)
+    updates = []
+    for k, (local, shard_rows, _) in enumerate(split.partition(ids, rows)):
+        shard = variable.shards[k]
+        with tf.device(shard.device):
+            lr = tf.cast(learning_rate, variable.dtype)
+            shard_slots = {name: slot.shards[k] for name, slot in slots.items()}
+            updates.append(update(optimizer, shard, shard_slots, local, shard_rows, lr))
+    return tf.group(updates)
+
+
+def _split_alike(variable, slots: dict):
+    """The `RowSplit` of `variable` when it and all its slots are split
+    alike (see `tf_diffmap.partitioned`), else None."""
+    if not isinstance(variable, PartitionedVariable):
+        return None
+    split = variable.row_split
+    for slot in slots.values():
+        if not isinstance(slot, PartitionedVariable) or slot.row_split != split:
+            return None
+    return split
 
 
 def _sgd(optimizer, variable, slots, ids, grad, lr):

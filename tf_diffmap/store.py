@@ -24,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.devices import host_cpu
+from tf_diffmap.devices import host_cpu, task_of
+from tf_diffmap.partitioned import PartitionedVariable, RowSplit, shards_for
 from tf_diffmap.staleness import StalenessStats
 
 __all__ = [
@@ -52,6 +53,11 @@ def _read(variable: tf.Variable) -> np.ndarray:
     counters, and this read takes about a third of the time.
     """
     return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype).numpy()
+
+
+def _device_identity(name: str) -> tuple:
+    spec = tf.DeviceSpec.from_string(name)
+    return (*task_of(name), spec.device_type, spec.device_index)
 
 
 def counters_as_stats(
@@ -152,6 +158,8 @@ class ParameterStore:
         ledger_device: where the steps are counted completed (the host of
             the queue they come from), with the per-replica counters and
             the metrics' totals; by default the store's host.
+        partitioner: splits large variables by rows over the devices (see
+            `tf_diffmap.partitioned.shards_for`); None splits none.
     """
 
     def __init__(
@@ -160,8 +168,10 @@ class ParameterStore:
         num_replicas: int,
         on_host_access=None,
         ledger_device: str | None = None,
+        partitioner=None,
     ):
         self.devices = list(parameter_devices)
+        self.partitioner = partitioner
         self.num_replicas = num_replicas
         self._on_host_access = on_host_access
         self._bytes = {d: 0 for d in self.devices}
@@ -234,21 +244,125 @@ class ParameterStore:
         return device
 
     def create(self, next_creator, kwargs: dict) -> tf.Variable:
-        """Creates a variable on its store device (the strategy's creator)."""
-        initial_value = kwargs.get("initial_value")
+        """Creates a variable on its store device (the strategy's creator).
+
+        With a partitioner, a variable it splits is made of row shards on
+        the devices holding the fewest bytes (`PartitionedVariable`), and a
+        variable made beside a split one (an optimizer's slot) is split the
+        same way, each shard beside the variable's shard of the same rows,
+        so that a row update reads and writes on one device only.
+        """
+        beside = kwargs.get("colocate_with")
+        if isinstance(beside, PartitionedVariable):
+            return self._create_beside(next_creator, kwargs, beside)
+        # A variable that is not split is placed as it was before its value
+        # was known (by what its creator said of its shape).
+        as_given = kwargs
         if (
-            kwargs.get("shape") is None
+            self.partitioner is not None
+            and len(self.devices) > 1
+            and beside is None
+            and kwargs.get("synchronization") != tf.VariableSynchronization.ON_READ
+        ):
+            # The shape decides, and Keras gives a function: its value is
+            # made once, here, and is the initial value whatever follows.
+            value = self._initial_value(kwargs)
+            kwargs = dict(kwargs, initial_value=value)
+            shards = shards_for(
+                self.partitioner,
+                value.shape,
+                value.dtype,
+                len(self.devices),
+                kwargs.get("name") or "Variable",
+            )
+            if shards > 1:
+                emptiest = sorted(
+                    self.devices, key=lambda d: (self._bytes[d], self.devices.index(d))
+                )
+                devices = sorted(emptiest[:shards], key=self.devices.index)
+                split = RowSplit.even(value.shape[0], shards)
+                return self._create_split(next_creator, kwargs, value, split, devices)
+        initial_value = as_given.get("initial_value")
+        if (
+            as_given.get("shape") is None
             and initial_value is not None
             and not callable(initial_value)
         ):
-            kwargs_for_size = dict(kwargs, shape=getattr(initial_value, "shape", None))
+            kwargs_for_size = dict(as_given, shape=getattr(initial_value, "shape", None))
         else:
-            kwargs_for_size = kwargs
+            kwargs_for_size = as_given
         device = self.device_for(kwargs_for_size)
         kwargs.pop("colocate_with", None)
         # A variable made lazily inside a replica step (Keras builds optimizer
         # slots and metric totals at their first use) must not inherit the
         # step's control dependencies: its initializer is lifted out of it.
+        with tf.control_dependencies(None), tf.device(device):
+            variable = next_creator(**kwargs)
+        if self._on_host_access is not None:
+            variable = _tf_internal.StoreVariable.adopt(variable, self._on_host_access)
+        return variable
+
+    def _count(self, device: str, size: int) -> None:
+        """Adds `size` bytes to the parameter device that `device` names
+        (as the store names it, or as a variable's full device name)."""
+        key = _device_identity(device)
+        for own in self.devices:
+            if _device_identity(own) == key:
+                self._bytes[own] += size
+                return
+
+    def _initial_value(self, kwargs: dict) -> tf.Tensor:
+        initial = kwargs.get("initial_value")
+        with tf.init_scope(), tf.device(self.host):
+            value = initial() if callable(initial) else initial
+            return tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+
+    def _create_split(self, next_creator, kwargs: dict, value, split: RowSplit, devices):
+        """A `PartitionedVariable` of `value`, shard k on `devices[k]`."""
+        name = kwargs.get("name")
+        trainable = kwargs.get("trainable")
+        with tf.init_scope():
+            parts = split.slices(value)
+        passed = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("colocate_with", "initial_value", "name", "trainable", "shape")
+        }
+        shards = []
+        with tf.control_dependencies(None):
+            for k, (device, part) in enumerate(zip(devices, parts)):
+                with tf.device(device):
+                    shards.append(
+                        next_creator(
+                            initial_value=part,
+                            name=f"{name or 'Variable'}/part_{k}",
+                            trainable=False,
+                            **passed,
+                        )
+                    )
+                self._count(device, part.shape.num_elements() * part.dtype.size)
+        return PartitionedVariable.build(
+            shards,
+            split,
+            name=name,
+            trainable=True if trainable is None else trainable,
+            on_host_access=self._on_host_access,
+            synchronization=kwargs.get("synchronization"),
+            aggregation=kwargs.get("aggregation"),
+            distribute_strategy=kwargs.get("distribute_strategy"),
+        )
+
+    def _create_beside(self, next_creator, kwargs: dict, reference) -> tf.Variable:
+        """A variable made beside a split one: split alike when it has as many
+        rows, else on the device of its first shard."""
+        value = self._initial_value(kwargs)
+        kwargs = dict(kwargs, initial_value=value)
+        kwargs.pop("colocate_with", None)
+        if value.shape.rank and value.shape[0] == reference.shape[0]:
+            devices = [shard.device for shard in reference.shards]
+            return self._create_split(next_creator, kwargs, value, reference.row_split, devices)
+        device = reference.shards[0].device
+        self._count(device, value.shape.num_elements() * value.dtype.size)
         with tf.control_dependencies(None), tf.device(device):
             variable = next_creator(**kwargs)
         if self._on_host_access is not None:

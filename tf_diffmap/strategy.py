@@ -47,6 +47,7 @@ from tf_diffmap.devices import (
     warn_if_one_replica,
 )
 from tf_diffmap.momentum import MomentumWatch
+from tf_diffmap.partitioned import resolve_partitioner
 from tf_diffmap.program import Program, batch_size, is_tensor
 from tf_diffmap.snapshots import CounterSnapshots
 from tf_diffmap.staleness import StalenessStats
@@ -76,6 +77,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         steps_per_loop: int,
         colocate_cpu_replicas: bool,
         worker_timeout: float | None = None,
+        partitioner=None,
     ):
         super().__init__(container_strategy)
         self.worker_timeout = worker_timeout
@@ -99,6 +101,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             len(replica_devices),
             on_host_access=self._on_host_access,
             ledger_device=self.client_host,
+            partitioner=partitioner,
         )
         # On a cluster: per replica, the CPU of its worker task, where its
         # input is built (see `tf_diffmap.cluster`).
@@ -620,6 +623,18 @@ class Strategy(_tf_internal.StrategyBase):
             paused or wedged (a stopped process, a stuck driver, a network
             partition) reaches it, and it bounds what such a worker costs
             the others: once, not at every epoch. `None` waits for ever.
+        variable_partitioner: how many row shards a variable is split into,
+            one per parameter device at most, each beside its rows'
+            optimizer slots (see `tf_diffmap.partitioned`). `"auto"` (the
+            default) splits variables of at least 512 KiB in shards of at
+            least 256 KiB (`tf_diffmap.RowPartitioner()`) when the
+            parameter devices are on several tasks (a cluster with several
+            ps tasks), and none on one host. A callable takes a variable's
+            shape and dtype and returns its number of shards, as
+            `ParameterServerStrategy`'s `variable_partitioner` does
+            (`tf.distribute.experimental.partitioners` are accepted); on one
+            host, with `parameter_device=[...]` listing several devices, it
+            splits a table over those devices. None splits nothing.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an
@@ -647,6 +662,7 @@ class Strategy(_tf_internal.StrategyBase):
         steps_per_loop: int = 32,
         colocate_cpu_replicas: bool = True,
         worker_timeout: float | None = faults.WORKER_TIMEOUT,
+        variable_partitioner="auto",
     ):
         _tf_internal.check_compatibility()
         if (
@@ -695,6 +711,7 @@ class Strategy(_tf_internal.StrategyBase):
             parameters = resolve_devices(["CPU:0"], "parameter_device")
         else:
             parameters = resolve_devices(parameter_device, "parameter_device")
+        partitioner = resolve_partitioner(variable_partitioner, parameters)
         replicas = [d for d in base for _ in range(replicas_per_device)]
         if devices is None:
             warn_if_one_replica(replicas)
@@ -713,6 +730,7 @@ class Strategy(_tf_internal.StrategyBase):
                 steps_per_loop,
                 colocate_cpu_replicas,
                 worker_timeout,
+                partitioner,
             )
         )
 
@@ -744,6 +762,11 @@ class Strategy(_tf_internal.StrategyBase):
     def parameter_devices(self) -> tuple[str, ...]:
         """The devices the parameter store is sharded over."""
         return tuple(self.extended.parameter_devices_list)
+
+    @property
+    def variable_partitioner(self):
+        """What splits large variables over the parameter devices, or None."""
+        return self.extended._store.partitioner
 
     @property
     def max_staleness(self) -> int | None:
