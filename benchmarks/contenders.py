@@ -95,7 +95,10 @@ class Runtime:
             there are fewer GPUs than replicas).
         gpu_memory_mb: memory of each logical GPU when a GPU is split.
         cluster: `{"workers": n, "ps": m}` for the cluster contenders: the
-            localhost cluster to start (its servers see no GPU).
+            localhost cluster to start (its servers see no GPU); with
+            `"split": True`, ParameterServerStrategy splits large variables
+            over the ps tasks (`MinSizePartitioner`, 256 KiB shards), as
+            tf_diffmap does by default on such a cluster.
         inter_op_threads: TensorFlow's inter-op pool, set before it starts
             (None: TensorFlow's default, one thread per core).
 
@@ -230,7 +233,14 @@ class Runtime:
                 python=sys.executable,
                 env={"CUDA_VISIBLE_DEVICES": ""},
             ).start()
-            strategy = tf.distribute.experimental.ParameterServerStrategy(self._servers.resolver())
+            partitioner = None
+            if self.cluster.get("split"):
+                partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+                    min_shard_bytes=256 << 10, max_shards=self.cluster["ps"]
+                )
+            strategy = tf.distribute.experimental.ParameterServerStrategy(
+                self._servers.resolver(), variable_partitioner=partitioner
+            )
             self.devices = [
                 f"/job:worker/replica:0/task:{i}/device:CPU:0"
                 for i in range(self.cluster["workers"])

@@ -185,6 +185,15 @@ class Plan:
         embedding_examples_per_epoch: training examples.
         embedding_epochs: epochs of each run: the first is not timed; the
             validation accuracy is read after each.
+        embedding_cluster_contenders: the same model on a localhost cluster
+            of `embedding_cluster_workers` workers and `embedding_cluster_ps`
+            ps tasks, the table split over the ps tasks (tf_diffmap's default
+            partitioner; ParameterServerStrategy with `MinSizePartitioner`).
+        embedding_cluster_rows: the table size there (None: not run).
+        embedding_cluster_optimizers: its optimizers (ParameterServerStrategy
+            trains SGD with tf-keras' legacy SGD, whose sparse update touches
+            rows; its current SGD keeps a momentum slot it updates densely).
+        embedding_cluster_epochs: epochs there (the first not timed).
     """
 
     name: str
@@ -295,6 +304,12 @@ class Plan:
     embedding_batch_size: int = 256
     embedding_examples_per_epoch: int = 16384
     embedding_epochs: int = 10
+    embedding_cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "parameter_server")
+    embedding_cluster_workers: int = 2
+    embedding_cluster_ps: int = 2
+    embedding_cluster_rows: int | None = 1_000_000
+    embedding_cluster_optimizers: tuple[str, ...] = ("sgd", "adagrad")
+    embedding_cluster_epochs: int = 4
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,6 +345,8 @@ PRESETS = {
         fault_restart_at=20.0,
         embedding_optimizers=("sgd", "adam"),
         embedding_epochs=6,
+        embedding_cluster_optimizers=("adagrad",),
+        embedding_cluster_epochs=3,
     ),
     # Two sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
@@ -376,6 +393,7 @@ PRESETS = {
         embedding_optimizers=("sgd",),
         embedding_examples_per_epoch=1024,
         embedding_epochs=2,
+        embedding_cluster_rows=None,
     ),
 }
 
@@ -542,6 +560,34 @@ def _embedding_sessions(plan: Plan) -> list[dict[str, Any]]:
             out.append(
                 {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
             )
+    if plan.embedding_cluster_rows is None:
+        return out
+    workers = plan.embedding_cluster_workers
+    for contender in plan.embedding_cluster_contenders:
+        # As many examples in each update: a ParameterServerStrategy step
+        # trains a global batch on one worker, a tf_diffmap update its share.
+        splits = contender in SPLIT_BATCH_CONTENDERS
+        tasks = [
+            {
+                "kind": "embeddings",
+                "rows": plan.embedding_cluster_rows,
+                "optimizer": optimizer,
+                "batch_size": plan.embedding_batch_size * (workers if splits else 1),
+                "examples_per_update": plan.embedding_batch_size,
+                "examples_per_epoch": plan.embedding_examples_per_epoch,
+                "epochs": plan.embedding_cluster_epochs,
+            }
+            for optimizer in plan.embedding_cluster_optimizers
+        ]
+        out.append(
+            {
+                "contender": contender,
+                "replicas": workers,
+                "cluster": {"workers": workers, "ps": plan.embedding_cluster_ps, "split": True},
+                "seed": plan.seed,
+                "tasks": tasks,
+            }
+        )
     return out
 
 

@@ -319,6 +319,18 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
             plan,
             cluster_contenders=tuple(c for c in plan.cluster_contenders if c != "parameter_server"),
         )
+    if (
+        "embeddings" in plan.workloads
+        and "parameter_server" in plan.embedding_cluster_contenders
+        and not tf_keras["available"]
+    ):
+        _log(f"ParameterServerStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
+        plan = dataclasses.replace(
+            plan,
+            embedding_cluster_contenders=tuple(
+                c for c in plan.embedding_cluster_contenders if c != "parameter_server"
+            ),
+        )
     calibration = _calibrate(
         plan,
         args.python,
@@ -545,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
             contenders=chosen,
             control_contenders=tuple(c for c in plan.control_contenders if c in chosen),
             cluster_contenders=tuple(c for c in plan.cluster_contenders if c in chosen),
+            embedding_contenders=tuple(c for c in plan.embedding_contenders if c in chosen),
+            embedding_cluster_contenders=tuple(
+                c for c in plan.embedding_cluster_contenders if c in chosen
+            ),
         )
     if args.cluster_model is not None:
         plan = plans.with_cluster_model(plan, args.cluster_model)

@@ -229,59 +229,95 @@ def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
 
 def run_embeddings(rt, task: dict, seed: int) -> dict[str, Any]:
     """The bag of ids with one table size and optimizer: examples/s of the
-    epochs after the first, CPU seconds per 1,000 examples of this process,
-    and the validation accuracy after the last epoch."""
+    epochs after the first, CPU seconds per 1,000 examples of every process
+    it trains in, and the validation accuracy after each epoch (on one
+    host); on a cluster, the bytes its processes sent per update and where
+    the table's shards live."""
     rows, batch = task["rows"], task["batch_size"]
     x, y, x_val, y_val = workloads.embedding_data(rows, task["examples_per_epoch"], seed)
     rt.keras.utils.set_random_seed(seed)
     with rt.scope():
         model = workloads.build_embedding_model(rt.keras, rows)
         model.compile(
-            optimizer=workloads.embedding_optimizer(rt.keras, task["optimizer"]),
+            optimizer=workloads.embedding_optimizer(rt.keras, task["optimizer"], rt.legacy),
             loss="binary_crossentropy",
             metrics=["accuracy"],
         )
     EpochTimer, _ = _callbacks(rt.keras)
     timer = EpochTimer(task["epochs"] - 1, 0.0)
-    cpu, accuracies = [], []
+    on_cluster = rt.cluster is not None
+    pids = rt.process_ids()
+    marks: dict[str, Any] = {}
+    accuracies: list[float] = []
 
     class Clocks(rt.keras.callbacks.Callback):
-        """CPU time over the timed epochs; validation accuracy after each
-        epoch, outside the epoch's timing (this runs after `timer`)."""
+        """CPU time and bytes over the timed epochs; on one host, validation
+        accuracy after each epoch, outside the epoch's timing (this runs
+        after `timer`)."""
 
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == 1:
-                cpu.append(time.process_time())
+                marks["cpu"] = timeline.processes_cpu_seconds(pids)
+                marks["bytes"] = timeline.tcp_bytes(pids)
+                marks["steps"] = rt.replica_steps()
 
         def on_epoch_end(self, epoch, logs=None):
             if epoch == task["epochs"] - 1:
-                cpu.append(time.process_time())
-            _, accuracy = self.model.evaluate(x_val, y_val, batch_size=1024, verbose=0)
-            accuracies.append(float(accuracy))
+                marks["cpu_end"] = timeline.processes_cpu_seconds(pids)
+                marks["bytes_end"] = timeline.tcp_bytes(pids)
+                marks["steps_end"] = rt.replica_steps()
+            if not on_cluster:
+                _, accuracy = self.model.evaluate(x_val, y_val, batch_size=1024, verbose=0)
+                accuracies.append(float(accuracy))
 
     rt.reset_statistics()
+    steps_per_epoch = _steps(x, batch)
     model.fit(
         workloads.dataset(x, y, batch, shuffle_seed=seed),
-        steps_per_epoch=_steps(x, batch),
+        steps_per_epoch=steps_per_epoch,
         epochs=task["epochs"],
         callbacks=[timer, Clocks()],
         verbose=0,
     )
     seconds = timer.seconds[1:]
-    # The CPU clock also counts the evaluations after the timed epochs but
-    # the last: they are a small share (a quarter of the examples, forward
-    # only), the same for every contender.
-    timed_examples = len(x) * len(seconds)
+    timed_examples = steps_per_epoch * batch * len(seconds)
     out: dict[str, Any] = {
         "epochs": len(timer.seconds),
         "epoch_seconds": seconds,
-        "examples_per_second": len(x) / statistics.median(seconds),
-        "cpu_seconds_per_1000_examples": 1000 * (cpu[1] - cpu[0]) / timed_examples,
-        "val_accuracies": accuracies,
-        "val_accuracy": accuracies[-1],
-        "best_val_accuracy": max(accuracies),
+        "examples_per_second": steps_per_epoch * batch / statistics.median(seconds),
         "table_mb": rows * workloads.EMBEDDING_MODEL["width"] * 4 / 2**20,
+        "examples_per_update": task.get("examples_per_update", batch),
     }
+    if None not in (marks.get("cpu"), marks.get("cpu_end")):
+        # On one host this is the process's own CPU, evaluations after the
+        # timed epochs but the last included (a quarter of the examples,
+        # forward only, the same for every contender).
+        out["cpu_seconds_per_1000_examples"] = (
+            1000 * (marks["cpu_end"] - marks["cpu"]) / timed_examples
+        )
+    if accuracies:
+        out.update(
+            val_accuracies=accuracies,
+            val_accuracy=accuracies[-1],
+            best_val_accuracy=max(accuracies),
+        )
+    if on_cluster:
+        if marks.get("steps") is not None:
+            updates = sum(marks["steps_end"]) - sum(marks["steps"])
+        else:
+            updates = steps_per_epoch * len(seconds)
+        out["updates"] = updates
+        if marks.get("bytes") and marks.get("bytes_end"):
+            sent = {
+                str(pid): marks["bytes_end"][pid]["sent"] - marks["bytes"][pid]["sent"]
+                for pid in pids
+            }
+            out["bytes_sent_per_process"] = sent
+            out["bytes_sent_per_update"] = sum(sent.values()) / max(updates, 1)
+        table = model.layers[0].embeddings
+        table = getattr(table, "value", table)
+        shards = getattr(table, "shards", None) or getattr(table, "variables", None) or [table]
+        out["table_shards"] = [[s.device, list(s.shape)] for s in shards]
     if rt.replica_steps() is not None:
         out["staleness"] = rt.statistics()
     return out

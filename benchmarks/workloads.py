@@ -368,6 +368,11 @@ def build_embedding_model(keras: ModuleType, rows: int):
     )
 
 
-def embedding_optimizer(keras: ModuleType, name: str):
+def embedding_optimizer(keras: ModuleType, name: str, legacy: bool = False):
+    """The optimizer `name`; with `legacy` (tf-keras), SGD is the legacy
+    SGD, whose sparse update touches only rows (tf-keras' current SGD keeps
+    a momentum slot, updated densely, even without momentum)."""
     cls, kwargs = EMBEDDING_OPTIMIZERS[name]
+    if legacy and name == "sgd":
+        return keras.optimizers.legacy.SGD(**kwargs)
     return getattr(keras.optimizers, cls)(**kwargs)

@@ -160,3 +160,30 @@ def test_fault_script_kills_restarts_and_finishes_on_time_even_if_the_restart_is
 def test_fault_script_refuses_events_out_of_order():
     with pytest.raises(ValueError, match="kill_at < restart_at < seconds"):
         timeline.FaultScript(lambda: 0, lambda: 0, lambda: None, 5, 3, 10)
+
+
+def test_tcp_bytes_counts_what_a_process_sent_over_its_sockets():
+    import os
+    import shutil
+    import socket
+
+    if shutil.which("ss") is None:
+        pytest.skip("`ss` (iproute2) is not installed")
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        before = timeline.tcp_bytes([os.getpid()])[os.getpid()]
+        payload = b"x" * 200_000
+        client.sendall(payload)
+        received = 0
+        while received < len(payload):
+            received += len(peer.recv(65536))
+        after = timeline.tcp_bytes([os.getpid()])[os.getpid()]
+        # Both ends are this process: it sent and received the payload.
+        assert after["sent"] - before["sent"] >= len(payload)
+        assert after["received"] - before["received"] >= len(payload)
+    finally:
+        for s in (client, peer, server):
+            s.close()
+    assert timeline.tcp_bytes([]) == {}

@@ -375,7 +375,18 @@ CLUSTER_CLIENT = textwrap.dedent(
             ])
             model.compile(optimizer=keras.optimizers.Adagrad(0.5), loss="mse")
         before = model.evaluate(x, y, verbose=0)
-        model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:
+                    raise RuntimeError("interrupted")
+
+        backup = keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))
+        try:
+            model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[backup, Interrupt()])
+        except RuntimeError:
+            pass
+        resumed = model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[backup])
         after = model.evaluate(x, y, verbose=0)
         table = model.layers[0].embeddings.value
         whole = model.get_weights()[0]
@@ -393,7 +404,7 @@ CLUSTER_CLIENT = textwrap.dedent(
             "gathers": sorted({op.device for op in graph.get_operations()
                                if op.type == "ResourceGather"}),
             "version": strategy.version,
-            "before": before, "after": after,
+            "before": before, "after": after, "resumed_epochs": resumed.epoch,
             "checkpoint": [shape for _, shape in tf.train.list_variables(saved)
                            if ROWS in shape],
         }
@@ -416,6 +427,7 @@ def test_a_table_is_split_over_the_ps_tasks_of_a_cluster(tmp_path):
     assert report["slot_shards"] == ps  # Adagrad's accumulator, beside the table's rows
     assert report["halves"] and report["reloaded"]
     assert set(report["gathers"]) >= set(ps)
+    assert report["resumed_epochs"] == [2]  # BackupAndRestore resumed after epoch 1
     assert report["version"] == 3 * 1024 // 64 * 2
     assert report["after"] < report["before"]
     assert report["checkpoint"] == [[40_000, 8]] * 2  # the table and its accumulator
