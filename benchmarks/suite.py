@@ -293,6 +293,26 @@ def _finite(value):
     return value
 
 
+def _without_tf_keras(plan: plans.Plan, reason: str) -> plans.Plan:
+    """`plan` without the contenders that tf-keras runs, each named in the log."""
+    # (workload, the plan's field of its contenders, the tf-keras contender)
+    legacy = (
+        (None, "contenders", "central_storage"),
+        ("cluster", "cluster_contenders", "parameter_server"),
+        ("embeddings", "embedding_cluster_contenders", "parameter_server"),
+    )
+    labels = {
+        "central_storage": "CentralStorageStrategy",
+        "parameter_server": "ParameterServerStrategy",
+    }
+    for workload, field, contender in legacy:
+        chosen = getattr(plan, field)
+        if contender in chosen and (workload is None or workload in plan.workloads):
+            _log(f"{labels[contender]} (tf-keras) cannot be run: {reason}")
+            plan = dataclasses.replace(plan, **{field: tuple(c for c in chosen if c != contender)})
+    return plan
+
+
 def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Runs `plan` and writes its results; returns them."""
     from benchmarks import embeddings, report
@@ -304,33 +324,8 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
     device, gpus = getattr(args, "resolved_device", ("cpu", 0))
     machine.update(device=device, gpus=gpus, gpu_memory_mb=args.gpu_memory_mb)
     tf_keras = detect_tf_keras(args.tf_keras_python)
-    if "central_storage" in plan.contenders and not tf_keras["available"]:
-        _log(f"CentralStorageStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
-        plan = dataclasses.replace(
-            plan, contenders=tuple(c for c in plan.contenders if c != "central_storage")
-        )
-    if (
-        "cluster" in plan.workloads
-        and "parameter_server" in plan.cluster_contenders
-        and not tf_keras["available"]
-    ):
-        _log(f"ParameterServerStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
-        plan = dataclasses.replace(
-            plan,
-            cluster_contenders=tuple(c for c in plan.cluster_contenders if c != "parameter_server"),
-        )
-    if (
-        "embeddings" in plan.workloads
-        and "parameter_server" in plan.embedding_cluster_contenders
-        and not tf_keras["available"]
-    ):
-        _log(f"ParameterServerStrategy (tf-keras) cannot be run: {tf_keras['reason']}")
-        plan = dataclasses.replace(
-            plan,
-            embedding_cluster_contenders=tuple(
-                c for c in plan.embedding_cluster_contenders if c != "parameter_server"
-            ),
-        )
+    if not tf_keras["available"]:
+        plan = _without_tf_keras(plan, tf_keras["reason"])
     calibration = _calibrate(
         plan,
         args.python,

@@ -11,7 +11,16 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tests.test_sparse import IDS, bag_of_ids, id_data, live_ops, replica_step_graph, table_sized
+from tests.test_sparse import (
+    IDS,
+    bag_of_ids,
+    id_data,
+    live_ops,
+    replica_step_graph,
+    table_sized,
+    tied_model,
+)
+from tests.test_sparse import OPTIMIZERS as SPARSE_OPTIMIZERS
 from tf_diffmap import _tf_internal
 from tf_diffmap.partitioned import (
     PartitionedVariable,
@@ -23,14 +32,11 @@ from tf_diffmap.partitioned import (
 
 PS = ["CPU:2", "CPU:3"]
 SPLIT = lambda shape, dtype: 2  # noqa: E731  (every variable with rows, in two)
+# The one-replica comparisons: each optimizer and rule of the row updates.
 OPTIMIZERS = {
-    "sgd": lambda: keras.optimizers.SGD(0.5),
-    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
-    "adam": lambda: keras.optimizers.Adam(1e-2),
-    "ftrl": lambda: keras.optimizers.Ftrl(0.1),
-    "gap": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.5), staleness="gap"),
-    "dc": lambda: tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.5), staleness="dc"),
+    name: make
+    for name, make in SPARSE_OPTIMIZERS.items()
+    if name in ("sgd", "momentum", "adagrad", "adam", "ftrl", "gap", "dc")
 }
 
 
@@ -111,32 +117,17 @@ def test_a_split_table_trains_as_keras_with_sgd_eagerly_too():
 def test_a_split_table_also_used_whole_is_read_whole_and_trains():
     """Tied embeddings: the table is looked up and multiplied by."""
     rows, width = 1_024, 16
-
-    class Tied(keras.layers.Layer):
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, h):
-            return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
-
-    def tied_model():
-        inputs = keras.Input((IDS,), dtype="int32")
-        embedding = keras.layers.Embedding(rows, width)
-        pooled = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
-        return keras.Model(inputs, Tied(embedding)(pooled))
-
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x = np.random.default_rng(1).integers(0, rows, (128, IDS)).astype("int32")
     keras.utils.set_random_seed(3)
-    plain = tied_model()
+    plain = tied_model(rows, width)
     plain.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
     keras.utils.set_random_seed(3)
     strategy = tf_diffmap.Strategy(
         devices=["CPU:0"], parameter_device=PS, variable_partitioner=SPLIT
     )
     with strategy.scope():
-        model = tied_model()
+        model = tied_model(rows, width)
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
     for m in (plain, model):
         m.fit(x, x[:, :1], batch_size=32, epochs=2, shuffle=False, verbose=0)

@@ -115,33 +115,36 @@ def test_keras_dense_semantics_touch_the_whole_table_when_asked_for():
     assert table_sized(live_ops(replica_step_graph(strategy)), rows)
 
 
+class Tied(keras.layers.Layer):
+    """Multiplies by the transposed table of an `Embedding` (tied embeddings)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+def tied_model(rows: int, width: int) -> keras.Model:
+    """Looks the table up, and multiplies by it: one table used both ways."""
+    inputs = keras.Input((IDS,), dtype="int32")
+    embedding = keras.layers.Embedding(rows, width)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+    return keras.Model(inputs, Tied(embedding)(pooled))
+
+
 def test_a_table_also_used_whole_is_read_whole_and_trains():
-    """Tied embeddings: the table is looked up and multiplied by."""
     rows, width = 4_096, 64
-
-    class Tied(keras.layers.Layer):
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, h):
-            return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
-
-    def tied_model():
-        inputs = keras.Input((IDS,), dtype="int32")
-        embedding = keras.layers.Embedding(rows, width)
-        pooled = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
-        return keras.Model(inputs, Tied(embedding)(pooled))
-
     x = np.random.default_rng(1).integers(0, rows, (256, IDS)).astype("int32")
     y = x[:, :1]
     keras.utils.set_random_seed(3)
-    plain = tied_model()
+    plain = tied_model(rows, width)
     plain.compile(optimizer=keras.optimizers.SGD(1.0), loss=_logits_loss())
     keras.utils.set_random_seed(3)
     strategy = tf_diffmap.Strategy(devices=["/device:CPU:0"])
     with strategy.scope():
-        model = tied_model()
+        model = tied_model(rows, width)
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=_logits_loss())
     np.testing.assert_array_equal(model.get_weights()[0], plain.get_weights()[0])
     for m in (plain, model):

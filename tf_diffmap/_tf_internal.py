@@ -446,20 +446,13 @@ class _ReplicaTracing(threading.local):
         should one be left (a user made after the claim), running it fails
         with an error that names it, rather than computing with a wrong value.
         """
-        resource_variable_ops.variable_accessed(variable)
         shape = variable.shape.as_list()
         name = f"tf_diffmap_unresolved_read_of_{variable.name.split(':')[0].replace('/', '_')}"
         empty = tf.raw_ops.PlaceholderWithDefault(
             input=tf.zeros([0, *shape[1:]], variable.dtype), shape=[None, *shape[1:]]
         )
         value = tf.ensure_shape(empty, shape, name=name)
-        record.record_operation(
-            "ReadVariableOp",
-            [value],
-            [variable.handle],
-            backward_function=lambda x: [x],
-            forward_function=lambda x: [x],
-        )
+        record_read(variable, value)
         self.stand_ins.setdefault(id(variable), (variable, []))[1].append(value)
         return value
 
