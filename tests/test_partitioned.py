@@ -146,7 +146,7 @@ def test_an_update_reads_and_writes_rows_beside_each_shard():
     assert table_sized(ops, rows) == []
     assert table_sized(ops, rows // 2) == []
     devices = {shard.device for shard in table_of(model).shards}
-    for kind in ("ResourceGather", "ResourceScatterAdd", "ResourceScatterSub"):
+    for kind in ("ResourceGather", "ResourceScatterNdAdd", "ResourceScatterNdSub"):
         assert {op.device for op in ops if op.type == kind} >= devices, kind
     # The ids are split by shard, and the rows put back, where the replica runs.
     for kind in ("DynamicPartition", "DynamicStitch"):

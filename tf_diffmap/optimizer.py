@@ -169,7 +169,7 @@ class _Rows:
     def add(self, delta) -> None:
         delta = tf.cast(delta, self.variable.dtype)
         if self.sparse:
-            self.variable.scatter_add(tf.IndexedSlices(delta, self.ids))
+            sparse.write_rows(self.variable, "add", self.ids, delta)
         else:
             self.variable.assign_add(delta)
 

@@ -8,8 +8,9 @@ slot at every update. Here each supported optimizer's own formula is applied
 to the touched rows alone: the ids are made unique and their rows summed
 where the gradient was computed, the rows of the variable and its slots are
 gathered where they live, and the new rows are written back by scatter ops
-that add (or, for Ftrl's weights, set) rows, so that replicas updating the
-same rows at once lose no increment. The cost of an update follows the
+that add (or, for Ftrl's weights, set) rows under the variable's lock
+(`write_rows`), so that replicas updating the same rows at once lose no
+increment. The cost of an update follows the
 rows it touches, not the size of the table.
 
 Semantics ("lazy", the default, and "dense"; `AsyncOptimizer(sparse_updates=)`):
@@ -47,7 +48,14 @@ import tensorflow as tf
 from tf_diffmap import _tf_internal
 from tf_diffmap.partitioned import PartitionedVariable
 
-__all__ = ["SEMANTICS", "row_update_kind", "unique_rows", "update_rows", "updates_rows"]
+__all__ = [
+    "SEMANTICS",
+    "row_update_kind",
+    "unique_rows",
+    "update_rows",
+    "updates_rows",
+    "write_rows",
+]
 
 SEMANTICS = ("lazy", "dense")
 
@@ -148,6 +156,28 @@ def update_rows(optimizer, variable, gradient: tf.IndexedSlices, learning_rate):
     return tf.group(updates)
 
 
+def write_rows(variable, op: str, ids: tf.Tensor, rows: tf.Tensor):
+    """Adds (`"add"`), subtracts, sets or takes the maximum of `rows` into
+    rows `ids` of `variable`, holding the variable's lock.
+
+    TensorFlow's `scatter_add` and its kin update a float variable under a
+    shared lock: two replicas adding to the same row at once can lose one of
+    the increments. Their `scatter_nd` forms take the variable's lock
+    (`use_locking`), and so lose none. A variable split by rows is written
+    shard by shard, each under its own lock.
+    """
+    if isinstance(variable, PartitionedVariable):
+        parts = variable.row_split.partition(ids, tf.cast(rows, variable.dtype))
+        writes = []
+        for shard, (local, part, _) in zip(variable.shards, parts):
+            with tf.device(shard.device):
+                writes.append(write_rows(shard, op, local, part))
+        return tf.group(writes)
+    return getattr(variable, f"scatter_nd_{op}")(
+        tf.expand_dims(ids, 1), tf.cast(rows, variable.dtype)
+    )
+
+
 def _split_alike(variable, slots: dict):
     """The `RowSplit` of `variable` when it and all its slots are split
     alike (see `tf_diffmap.partitioned`), else None."""
@@ -162,14 +192,14 @@ def _split_alike(variable, slots: dict):
 
 def _sgd(optimizer, variable, slots, ids, grad, lr):
     if optimizer.momentum == 0:
-        return variable.scatter_sub(tf.IndexedSlices(grad * lr, ids))
+        return write_rows(variable, "sub", ids, grad * lr)
     momentum = tf.cast(optimizer.momentum, variable.dtype)
     velocity = slots["momentum"]
     before = velocity.sparse_read(ids)
     after = before * momentum - grad * lr
-    updates = [velocity.scatter_add(tf.IndexedSlices(after - before, ids))]
+    updates = [write_rows(velocity, "add", ids, after - before)]
     step = after * momentum - grad * lr if optimizer.nesterov else after
-    updates.append(variable.scatter_add(tf.IndexedSlices(step, ids)))
+    updates.append(write_rows(variable, "add", ids, step))
     return tf.group(updates)
 
 
@@ -178,10 +208,8 @@ def _adagrad(optimizer, variable, slots, ids, grad, lr):
     square = tf.square(grad)
     accumulated = accumulator.sparse_read(ids) + square
     return tf.group(
-        accumulator.scatter_add(tf.IndexedSlices(square, ids)),
-        variable.scatter_sub(
-            tf.IndexedSlices(lr * grad / tf.sqrt(accumulated + optimizer.epsilon), ids)
-        ),
+        write_rows(accumulator, "add", ids, square),
+        write_rows(variable, "sub", ids, lr * grad / tf.sqrt(accumulated + optimizer.epsilon)),
     )
 
 
@@ -197,15 +225,15 @@ def _adam(optimizer, variable, slots, ids, grad, lr):
     v_delta = (tf.square(grad) - v_before) * (1 - beta_2)
     m_after, v_after = m_before + m_delta, v_before + v_delta
     updates = [
-        m.scatter_add(tf.IndexedSlices(m_delta, ids)),
-        v.scatter_add(tf.IndexedSlices(v_delta, ids)),
+        write_rows(m, "add", ids, m_delta),
+        write_rows(v, "add", ids, v_delta),
     ]
     if optimizer.amsgrad:
         v_hat = slots["velocity_hat"]
         v_after = tf.maximum(v_hat.sparse_read(ids), v_after)
-        updates.append(v_hat.scatter_max(tf.IndexedSlices(v_after, ids)))
+        updates.append(write_rows(v_hat, "max", ids, v_after))
     step_rows = m_after * alpha / (tf.sqrt(v_after) + optimizer.epsilon)
-    updates.append(variable.scatter_sub(tf.IndexedSlices(step_rows, ids)))
+    updates.append(write_rows(variable, "sub", ids, step_rows))
     return tf.group(updates)
 
 
@@ -229,9 +257,9 @@ def _ftrl(optimizer, variable, slots, ids, grad, lr):
     quadratic = tf.pow(accumulated_after, power) / lr + 2 * l2
     weights_after = (tf.clip_by_value(linear_after, -l1, l1) - linear_after) / quadratic
     return tf.group(
-        linear.scatter_add(tf.IndexedSlices(linear_delta, ids)),
-        variable.scatter_update(tf.IndexedSlices(weights_after, ids)),
-        accumulator.scatter_add(tf.IndexedSlices(square, ids)),
+        write_rows(linear, "add", ids, linear_delta),
+        write_rows(variable, "update", ids, weights_after),
+        write_rows(accumulator, "add", ids, square),
     )
 
 
