@@ -474,7 +474,7 @@ def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
     model.fit(x_train, y_train, epochs=1, **fit_kwargs)  # traces the step
     batches = epochs * _steps(x_train, batch_size)
     seconds: dict[str, list[float]] = {"none": [], "snapshots": [], "every": [], "budget": []}
-    snapshots = rt.strategy.extended.snapshots
+    snapshots = rt.strategy.extended.runtime.snapshots
     point_ms: list[float] = []
     budget_points: list[int] = []
     with tempfile.TemporaryDirectory() as logdir:

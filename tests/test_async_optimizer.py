@@ -334,7 +334,7 @@ def test_skipped_float16_steps_claim_no_version():
         )
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    store = strategy.extended._store
+    store = strategy.extended.runtime.store
     assert strategy.version < 8 * 4
     assert store.completed_claims() == strategy.version
     weights = model.get_weights()[0]

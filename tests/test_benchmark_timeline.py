@@ -62,19 +62,26 @@ def test_cpu_of_a_window_sums_its_processes_per_update_and_per_example():
     import subprocess
     import sys
 
-    # A child that spins for a moment of CPU, read with this process.
+    # A child that spins for a moment of CPU when told to, and says when it
+    # is done: the window holds the whole spin however busy the host is.
     child = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import time\nt = time.process_time()\n"
-            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)",
-        ]
+            "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\n"
+            "time.sleep(30)",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         pids = [os.getpid(), child.pid]
         start = timeline.processes_cpu_seconds(pids)
-        time.sleep(1.0)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "spun"
         end = timeline.processes_cpu_seconds(pids)
         assert end - start >= 0.25  # the child's spin, at the clock's ticks
         work = timeline.cpu_per_work(start, end, len(pids), updates=10, examples=640)

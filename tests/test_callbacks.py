@@ -296,7 +296,7 @@ def test_every_batch_has_its_point_with_steps_per_execution(tmp_path):
         # Each point's version is the store's at its batch: never behind the previous.
         assert (np.diff(values_of(series, metadata.VERSION)) >= 0).all()
     # With both callbacks done, the graph takes no more snapshots.
-    assert not strategy.extended.snapshots.on.numpy()
+    assert not strategy.extended.runtime.snapshots.on.numpy()
 
 
 def test_lost_replicas_are_marked_from_the_first_loss(tmp_path):

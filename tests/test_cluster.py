@@ -81,7 +81,7 @@ CLIENT = textwrap.dedent(
         from tf_diffmap._tf_internal import PACKED_SCOPE
         bookkeeping, packs = set(), set()
         task = lambda device: device.split("/device")[0]
-        for program in strategy.extended._training_programs():
+        for program in strategy.extended.runtime.feeds():
             for concrete in program.loop_concretes.values():
                 for function in concrete.graph.as_graph_def().library.function:
                     bookkeeping.update(
@@ -99,7 +99,7 @@ CLIENT = textwrap.dedent(
         # What the chief's Keras loop iterates, and where the replicas' input is.
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
         chief_batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
-        worker_batches = [next(it) for it in strategy.extended._worker_input.iterators]
+        worker_batches = [next(it) for it in strategy.extended.runtime.worker_input.iterators]
         report = {
             "chief_rows": [int(t.shape[0]) for t in chief_batch],
             "worker_rows": [int(b[0].shape[0]) for b in worker_batches],
@@ -617,7 +617,7 @@ PACKING_CLIENT = textwrap.dedent(
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
         after = model.evaluate(x, y, verbose=0)[0]
         packs = 0
-        for program in strategy.extended._training_programs():
+        for program in strategy.extended.runtime.feeds():
             for concrete in program.loop_concretes.values():
                 for function in concrete.graph.as_graph_def().library.function:
                     packs += sum(

@@ -206,7 +206,6 @@ def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
 
 # -- a shard whose loop call fails: applied once, abandoned, or run again -----
 
-from tf_diffmap.devices import host_cpu  # noqa: E402
 from tf_diffmap.loops import HeldShard, ShardChannel, held_shard  # noqa: E402
 from tf_diffmap.store import ParameterStore  # noqa: E402
 
@@ -291,8 +290,8 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
         monkeypatch.setattr(ShardChannel, "done", fail_then_done)
 
     strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
-    strategy.extended.worker_hosts = [host_cpu(d) for d in strategy.replica_devices]
-    verdict = strategy.extended.faults.verdict
+    strategy.extended.runtime.read_input_on_workers()
+    verdict = strategy.extended.runtime.faults.verdict
     cut_off = []
 
     def cut_off_by_another_task(replica_id, error):
@@ -301,7 +300,7 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
             return "running", None
         return verdict(replica_id, error)
 
-    monkeypatch.setattr(strategy.extended.faults, "verdict", cut_off_by_another_task)
+    monkeypatch.setattr(strategy.extended.runtime.faults, "verdict", cut_off_by_another_task)
     with strategy.scope():
         model = keras.Sequential(layers)
         compile_logits(model, "sgd")
@@ -318,7 +317,7 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
 
 def test_a_claim_marked_and_cut_off_before_it_is_made_gets_its_version():
     strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
-    store = strategy.extended._store
+    store = strategy.extended.runtime.store
     store.marks.scatter_nd_add([[1]], [1])  # replica 1 marked, then was cut off
     assert store.cut_after_mark(1)
     assert not store.cut_after_mark(1)  # accounted for once

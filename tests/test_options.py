@@ -29,9 +29,9 @@ def test_cpu_replicas_compute_on_their_tasks_cpu0():
     assert compute_device("/device:GPU:1") == "/device:GPU:1"
     strategy = tf_diffmap.Strategy()
     assert len(set(strategy.replica_devices)) == 4
-    assert strategy.extended.compute_devices == ["/device:CPU:0"] * 4
+    assert strategy.extended.runtime.compute_devices == ["/device:CPU:0"] * 4
     apart = tf_diffmap.Strategy(colocate_cpu_replicas=False)
-    assert apart.extended.compute_devices == list(apart.replica_devices)
+    assert apart.extended.runtime.compute_devices == list(apart.replica_devices)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +46,10 @@ def test_cpu_replicas_compute_on_their_tasks_cpu0():
         ({"replicas_per_device": 0}, "replicas_per_device must be an int >= 1, received 0"),
         ({"max_staleness": -1}, "max_staleness must be None .* received -1"),
         ({"queue_size": 2}, "at least one shard per replica"),
+        ({"queue_size": True}, r"queue_size must be None \(two per replica\) or an int >= 1"),
+        ({"steps_per_loop": 0}, "steps_per_loop must be an int >= 1, received 0"),
+        ({"steps_per_loop": 2.0}, "steps_per_loop must be an int >= 1, received 2.0"),
+        ({"worker_timeout": 0}, "worker_timeout must be None"),
         ({"colocate_cpu_replicas": "yes"}, "colocate_cpu_replicas must be True or False"),
     ],
 )

@@ -77,7 +77,7 @@ def test_a_table_and_its_slots_are_split_over_the_parameter_devices():
         assert [s.device for s in slot.shards] == devices
     # The small layer is not split, and the store counts the shards' bytes.
     assert not isinstance(model.layers[-1].kernel.value, PartitionedVariable)
-    held = strategy.extended._store.bytes_per_device()
+    held = strategy.extended.runtime.store.bytes_per_device()
     assert all(held[d] >= 3 * rows // 2 * 8 * 4 for d in strategy.parameter_devices)
 
 
@@ -151,7 +151,7 @@ def test_an_update_reads_and_writes_rows_beside_each_shard():
     # The ids are split by shard, and the rows put back, where the replica runs.
     for kind in ("DynamicPartition", "DynamicStitch"):
         assert {op.device for op in ops if op.type == kind} <= {
-            strategy.extended.compute_devices[0]
+            strategy.extended.runtime.compute_devices[0]
         }
 
 
@@ -382,8 +382,8 @@ CLUSTER_CLIENT = textwrap.dedent(
         table = model.layers[0].embeddings.value
         whole = model.get_weights()[0]
         slots = _tf_internal.optimizer_slots(model.optimizer, table)
-        (program,) = strategy.extended._training_programs()
-        graph = next(iter(program.concretes.values())).graph
+        (program,) = strategy.extended.runtime.feeds()
+        graph = next(iter(program.step.concretes.values())).graph
         saved = tf.train.Checkpoint(model=model).save(os.path.join(out, "ckpt"))
         model.save(os.path.join(out, "split.keras"))
         report = {

@@ -148,5 +148,5 @@ def test_saved_weights_are_every_update(tmp_path):
     fresh.load_weights(path)
     for a, b in zip(fresh.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert strategy.extended.in_flight() == 0
+    assert strategy.extended.runtime.in_flight() == 0
     assert strategy.version == 2 * 8 * 4

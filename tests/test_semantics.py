@@ -176,19 +176,19 @@ IDLE_RACE_SCRIPT = textwrap.dedent(
     import json, os, random, time
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np, tensorflow as tf, tf_diffmap
-    from tf_diffmap import program, workers
+    from tf_diffmap import feed, workers
     tf_diffmap.split_devices(4, "CPU")
     # The idle monitor looks every 10 ms and stops the loops after 20 ms
     # without a shard put or applied; the steps pause for 15 to 40 ms every
     # fifth step, so that idle stops meet arriving steps.
     workers.POLL_SECONDS, workers.IDLE_SECONDS = 0.002, 0.02
     marks = []
-    mark_idle = program.Program.mark_idle
+    stop_if_idle = feed.StepFeed.stop_if_idle
     def counted(self):
-        marked = mark_idle(self)
+        marked = stop_if_idle(self)
         marks.append(marked)
         return marked
-    program.Program.mark_idle = counted
+    feed.StepFeed.stop_if_idle = counted
 
     class Pauses(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

@@ -12,7 +12,9 @@ def small_ring_model(capacity):
     strategy = tf_diffmap.Strategy()
     extended = strategy.extended
     # Before the first step is traced, so that Keras' graph writes this ring.
-    extended.snapshots = CounterSnapshots(extended._store, extended.client_host, capacity)
+    extended.runtime.snapshots = CounterSnapshots(
+        extended.runtime.store, extended.client_host, capacity
+    )
     with strategy.scope():
         model = mlp()
         compile_logits(model, keras.optimizers.SGD(0.05))
@@ -22,7 +24,7 @@ def small_ring_model(capacity):
 def test_a_reader_that_keeps_up_sees_every_step_in_order():
     x, y = classification_data(n=10 * 32)
     strategy, model = small_ring_model(capacity=64)
-    ring = strategy.extended.snapshots
+    ring = strategy.extended.runtime.snapshots
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # traced, ring off
     assert ring.read(0).next_index == 0, "a ring switched off takes no snapshot"
 
@@ -41,7 +43,7 @@ def test_a_reader_that_keeps_up_sees_every_step_in_order():
     assert version_before < read.versions[-1] <= strategy.statistics().version
     for k in range(len(read)):
         counters = read.counters[k]
-        assert counters.shape == strategy.extended._store.counters.shape
+        assert counters.shape == strategy.extended.runtime.store.counters.shape
         assert read.stats(k, strategy.statistics()).updates.sum() <= read.versions[k]
     # Off again: another fit adds nothing.
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
@@ -51,7 +53,7 @@ def test_a_reader_that_keeps_up_sees_every_step_in_order():
 def test_a_reader_lapped_by_the_ring_is_told_what_it_lost():
     x, y = classification_data(n=10 * 32)
     strategy, model = small_ring_model(capacity=4)
-    ring = strategy.extended.snapshots
+    ring = strategy.extended.runtime.snapshots
     start = ring.start(object())
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     read = ring.read(start)
@@ -62,7 +64,7 @@ def test_a_reader_lapped_by_the_ring_is_told_what_it_lost():
 
 def test_the_ring_is_on_while_a_reader_is_registered():
     strategy = tf_diffmap.Strategy()
-    ring = strategy.extended.snapshots
+    ring = strategy.extended.runtime.snapshots
     first, second = object(), object()
     ring.start(first)
     ring.start(second)

@@ -45,8 +45,8 @@ def live_ops(graph) -> set:
 
 
 def replica_step_graph(strategy):
-    (program,) = [p for p in strategy.extended._programs.values() if p.trains]
-    return next(iter(program.concretes.values())).graph
+    (feed,) = strategy.extended.runtime.feeds()
+    return next(iter(feed.step.concretes.values())).graph
 
 
 def table_sized(ops, rows: int) -> list[str]:

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     history = model.fit(x, y, batch_size=32, epochs=2, validation_split=0.25, verbose=0)
     report = {"version": strategy.version, "loss": history.history["loss"],
-              "may_wait": strategy.extended.graph_may_wait()}
+              "may_wait": strategy.extended.runtime.graph_may_wait}
 
     # A custom loop that runs a whole-model step while replica steps are in
     # flight gets told what to do instead of hanging. Every training step
@@ -73,7 +73,7 @@ SCRIPT = textwrap.dedent(
     gate.enqueue(0)  # the first step after a drain runs in the caller's graph
     train_step(tf.constant(x[:64]))
     train_step(tf.constant(x[:64]))
-    report["in_flight"] = strategy.extended.in_flight()
+    report["in_flight"] = strategy.extended.runtime.in_flight()
     try:
         eval_step(tf.constant(x[:64]))
         report["in_flight_error"] = None

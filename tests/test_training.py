@@ -177,7 +177,7 @@ def test_partial_last_batch_smaller_than_replica_count():
 
 
 def test_batches_split_into_near_equal_shards_in_the_graph():
-    from tf_diffmap.program import split_in_graph
+    from tf_diffmap.shards import split_in_graph
 
     @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([])])
     def split(x, scale):
@@ -195,7 +195,7 @@ def test_batches_split_into_near_equal_shards_in_the_graph():
 
 @pytest.mark.parametrize("examples", [12, 10, 5, 4, 2, 0])
 def test_stacked_runs_hold_the_shards_a_split_gives(examples):
-    from tf_diffmap.program import split_in_graph, stack_in_graph, stackable
+    from tf_diffmap.shards import split_in_graph, stack_in_graph, stackable
 
     spec = [tf.TensorSpec([None, 2]), tf.TensorSpec([])]
 
@@ -296,7 +296,7 @@ def test_loop_functions_follow_the_devices_replicas_compute_on(
     model.fit(x, y, batch_size=48, epochs=2, verbose=0)
     replicas = strategy.num_replicas_in_sync
     assert len(set(strategy.replica_devices)) == len(kwargs.get("devices", "0123"))
-    (program,) = strategy.extended._training_programs()
+    (program,) = strategy.extended.runtime.feeds()
     loops = list(program.loop_concretes.values())
     assert len(loops) == functions
     assert all(len(c.structured_input_signature[0]) == arguments for c in loops)
@@ -373,7 +373,7 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     assert int(model.optimizer.iterations.numpy()) == updates
     assert sum(strategy.replica_steps()) == updates
     assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
-    assert strategy.extended.in_flight() == 0
+    assert strategy.extended.runtime.in_flight() == 0
 
 
 @pytest.mark.parametrize("batch", [BATCH, 6])
@@ -387,4 +387,4 @@ def test_batches_of_static_shape_end_epochs_cleanly(batch, data):
     model.fit(ds, epochs=2, verbose=0)
     assert strategy.version == 2 * (len(x) // batch) * 4
     assert int(strategy.statistics().examples.sum()) == 2 * (len(x) // batch) * batch
-    assert strategy.extended.in_flight() == 0
+    assert strategy.extended.runtime.in_flight() == 0

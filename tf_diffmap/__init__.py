@@ -14,7 +14,8 @@ from tf_diffmap.callbacks import StalenessTensorBoard
 from tf_diffmap.devices import default_replica_devices, split_devices
 from tf_diffmap.optimizer import AsyncOptimizer
 from tf_diffmap.partitioned import RowPartitioner
-from tf_diffmap.staleness import StalenessStats, staleness_bound
+from tf_diffmap.rules import staleness_bound
+from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
 
 __version__ = "0.1.0"

@@ -8,9 +8,8 @@ Epoch points read the counters (`Strategy.statistics()`) at the epoch's end.
 Batch-level points come from snapshots that Keras' graph itself takes at the
 end of each step (`tf_diffmap/snapshots.py`), which a thread of the
 callback's own reads in bulk and writes: the training loop only counts
-batches. Measured on a busy 2-core host, reading the counters from Python at
-each batch while the replicas ran took 0.2 to 0.4 ms of CPU (eager ops that
-wait for the interpreter lock and a CPU the replicas hold).
+batches: reading the counters from Python at each batch would run eager
+ops that wait for the interpreter lock and for a CPU the replicas hold.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from tf_diffmap.optimizer import AsyncOptimizer
+from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
 from tf_diffmap.tensorboard_plugin import metadata
@@ -131,12 +130,7 @@ class _Background:
 
 def _active_rule(optimizer) -> str | None:
     """A description of the model's AsyncOptimizer rule, or None if none acts."""
-    seen = set()
-    while optimizer is not None and not isinstance(optimizer, AsyncOptimizer):
-        if id(optimizer) in seen:
-            return None
-        seen.add(id(optimizer))
-        optimizer = getattr(optimizer, "inner_optimizer", None)
+    optimizer = find_in_chain(optimizer, AsyncOptimizer)
     if optimizer is None:
         return None
     rule = optimizer.rule
@@ -313,7 +307,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             run_info,
             rules=rule is not None,
             totals=self._totals,
-            faults=strategy.extended.worker_hosts is not None,
+            faults=strategy.extended.runtime.worker_hosts is not None,
         )
         self._writer.write_layout()
         self._point_error = None
@@ -330,7 +324,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             self._fit_start_batch = self._epoch_start_batch = self._batches
             self._read_batch = self._batches
             self._read_time = time.monotonic()
-            self._ring_start = self._ring_index = strategy.extended.snapshots.start(self)
+            self._ring_start = self._ring_index = strategy.extended.runtime.snapshots.start(self)
 
     def on_train_end(self, logs=None):
         if self._writer is None:
@@ -339,7 +333,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             if self._every is not None:
                 self._wait_for_points()
                 strategy = self._strategy()
-                strategy.extended.snapshots.stop(self)
+                strategy.extended.runtime.snapshots.stop(self)
                 self._write_snapshots(strategy)
                 self._count_batches()
                 # Whatever landed after the last point (at most the batches
@@ -356,7 +350,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def _close(self) -> None:
         self._points.wait()
         if self._every is not None and self._training:
-            self._strategy().extended.snapshots.stop(self)
+            self._strategy().extended.runtime.snapshots.stop(self)
         if self._writer is None:
             return
         self._totals = self._writer.totals
@@ -407,7 +401,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._batches = self._fit_start_batch + self._ring_index - self._ring_start
 
     def _read_every(self) -> int:
-        return max(1, self._strategy().extended.snapshots.capacity // 4)
+        return max(1, self._strategy().extended.runtime.snapshots.capacity // 4)
 
     def _due(self, step: int) -> bool:
         """Whether batch `step` (counted since the first training) has a point."""
@@ -471,7 +465,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         last read (in the callback's thread, or at an epoch's end)."""
         try:
             cpu = time.thread_time()
-            read = strategy.extended.snapshots.read(self._ring_index)
+            read = strategy.extended.runtime.snapshots.read(self._ring_index)
             self._ring_index = read.next_index
             self._replica_states = strategy.replica_states()
             if read.lost:

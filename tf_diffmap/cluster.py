@@ -158,13 +158,12 @@ def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT
         several ps tasks a large one (an embedding table) is split by rows
         over them (`Strategy(variable_partitioner=...)`).
     """
-    from tf_diffmap.devices import host_cpu
     from tf_diffmap.strategy import Strategy
 
     replicas, store = connect(cluster_resolver, connect_timeout)
     strategy = Strategy(devices=replicas, parameter_device=store, **kwargs)
     # Datasets given to the strategy are built on the workers themselves.
-    strategy.extended.worker_hosts = [host_cpu(d) for d in strategy.replica_devices]
+    strategy.extended.runtime.read_input_on_workers()
     return strategy
 
 

@@ -367,10 +367,6 @@ def wait_for_tasks(addresses: dict[str, str], timeout: float) -> None:
         )
 
 
-def _address_of(task: str) -> str | None:
-    return _tf_internal.cluster_addresses().get(task)
-
-
 def task_name(device: str) -> str:
     """The task a device belongs to, `/job:<job>/replica:0/task:<N>`."""
     return device.split("/device:")[0]

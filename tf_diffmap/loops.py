@@ -82,7 +82,7 @@ def held_shard(completed: bool, marked: Callable[[], bool], may_requeue: bool) -
 
 
 class ShardChannel:
-    """The queue of one program's shards and its in-flight count.
+    """The queue of one training step's shards and its in-flight count.
 
     Args:
         specs: one `tf.TensorSpec` per tensor of a shard (batch dimension
@@ -91,7 +91,7 @@ class ShardChannel:
             graph back (without holding a thread). It holds at least one
             step's shards (`replicas`), so that a step that put its shards
             just as the loops stopped idle never waits for them
-            (`Program.mark_idle`).
+            (`feed.StepFeed.stop_if_idle`).
         device: where the queue lives (the host CPU of Keras' graph).
         name: a prefix for the queue's and the counter's names.
         counter_device: where the in-flight counter lives (by default

@@ -1,7 +1,7 @@
 """Says so when asynchrony's momentum and an optimizer's own add up past 1.
 
 Asynchronous updates behave like momentum SGD whose momentum grows with the
-staleness, s / (1 + s) at mean staleness s (`staleness.implicit_momentum`).
+staleness, s / (1 + s) at mean staleness s (`rules.implicit_momentum`).
 An optimizer that brings its own momentum, tuned for synchronous training,
 then runs with a total of about the sum, and from a total of 1 the momentum
 no longer decays: on digits, SGD(0.2, momentum=0.9) fell to chance with 16
@@ -18,8 +18,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from tf_diffmap.optimizer import AsyncOptimizer, heavy_ball_momentum
-from tf_diffmap.staleness import StalenessStats, implicit_momentum
+from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain, heavy_ball_momentum
+from tf_diffmap.rules import implicit_momentum
+from tf_diffmap.staleness import StalenessStats
 
 __all__ = ["MomentumWatch", "momentum_warning", "CORRECTING_RULES"]
 
@@ -29,13 +30,8 @@ CORRECTING_RULES = ("linear", "momentum")
 
 
 def _corrects_momentum(optimizer) -> bool:
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, AsyncOptimizer):
-            return optimizer.rule in CORRECTING_RULES
-        seen.add(id(optimizer))
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    wrapper = find_in_chain(optimizer, AsyncOptimizer)
+    return wrapper is not None and wrapper.rule in CORRECTING_RULES
 
 
 def momentum_warning(optimizer, stats: StalenessStats, min_updates: int = 0) -> str | None:

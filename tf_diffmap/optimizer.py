@@ -39,8 +39,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, sparse
-from tf_diffmap import staleness as rules
+from tf_diffmap import _tf_internal, rules, sparse
 from tf_diffmap.step import current_step
 from tf_diffmap.store import optimizer_outside_scope_message
 
@@ -62,15 +61,18 @@ _BASE_ARGUMENTS = (
 )
 
 
-def _sgd_of(optimizer) -> keras.optimizers.SGD | None:
-    """The `keras.optimizers.SGD` that `optimizer` is or wraps, if any."""
+def optimizer_chain(optimizer):
+    """Yields `optimizer`, then each optimizer it wraps (`inner_optimizer`)."""
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, keras.optimizers.SGD):
-            return optimizer
+        yield optimizer
         seen.add(id(optimizer))
         optimizer = getattr(optimizer, "inner_optimizer", None)
-    return None
+
+
+def find_in_chain(optimizer, kind: type):
+    """The first optimizer of `kind` that `optimizer` is or wraps, or None."""
+    return next((o for o in optimizer_chain(optimizer) if isinstance(o, kind)), None)
 
 
 def heavy_ball_momentum(optimizer) -> float:
@@ -82,7 +84,7 @@ def heavy_ball_momentum(optimizer) -> float:
     Returns:
         Its momentum, or 0.0 when it is not SGD or has none.
     """
-    sgd = _sgd_of(optimizer)
+    sgd = find_in_chain(optimizer, keras.optimizers.SGD)
     return 0.0 if sgd is None else float(sgd.momentum)
 
 
@@ -124,7 +126,7 @@ tf.register_tensor_conversion_function(_TracedMomentum, _convert_traced_momentum
 
 @contextlib.contextmanager
 def _momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
-    # Replica steps are traced one at a time (see `Program`), so swapping
+    # Replica steps are traced one at a time (see `replica_step.ReplicaStep`), so swapping
     # the attribute for the length of one trace races with nothing.
     nominal = sgd.momentum
     sgd.momentum = _TracedMomentum(nominal, momentum)
@@ -208,7 +210,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         staleness_decay: decay of the moving average of staleness s that
             `"momentum"` takes its momentum, max(0, mu - s / (1 + s)), and
             its learning-rate factor, 1 / (1 + s), from; it starts from
-            N - 1 for N replicas (`staleness.expected_staleness`).
+            N - 1 for N replicas (`rules.expected_staleness`).
         gap_decay: decay of `"gap"`'s moving mean square of each
             parameter's steps, whose root is the typical step C the gap
             is measured in.
@@ -318,7 +320,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         """The rule that applies: `staleness`, with `"auto"` resolved."""
         if self.staleness != "auto":
             return self.staleness
-        if _sgd_of(self.inner_optimizer) is None:
+        if find_in_chain(self.inner_optimizer, keras.optimizers.SGD) is None:
             return "none"
         return "linear" if heavy_ball_momentum(self.inner_optimizer) > 0 else "gap"
 
@@ -436,7 +438,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         traced_momentum = contextlib.nullcontext()
         if rule == "momentum":
             traced_momentum = _momentum_of_update(
-                _sgd_of(self.inner_optimizer),
+                find_in_chain(self.inner_optimizer, keras.optimizers.SGD),
                 rules.compensated_momentum(
                     heavy_ball_momentum(self.inner_optimizer), mean_staleness
                 ),
@@ -506,7 +508,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
         Returns the penalized gradients and a function to call once the
         update is applied: it folds the step each parameter just took into
-        the moving mean square of its steps, the C of `staleness.gap_penalty`.
+        the moving mean square of its steps, the C of `rules.gap_penalty`.
         Until a first step is measured nothing is penalized.
         """
         penalized, measured = [], []

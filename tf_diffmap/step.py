@@ -9,13 +9,12 @@ the step being traced with `current_step()`.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal
+from tf_diffmap import _tf_internal, sparse
 from tf_diffmap.store import ParameterStore
 
 __all__ = ["Claim", "StepState", "current_step", "tracing_step"]
@@ -77,23 +76,19 @@ class StepState:
         # `_tf_internal.StoreVariable`): filled when the step claims.
         self._row_reads: dict[int, _tf_internal.RowReads] = {}
 
-    @staticmethod
-    def _graph_key(graph) -> Any:
-        # Eager execution has no graph object to key on.
-        return id(graph) if graph is not None else None
-
     def _graphs(self):
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        """The graph being built and those it is nested in (None: eager)."""
+        graph = _graph_now()
+        if graph is None:
+            yield None
         while graph is not None:
             yield graph
             graph = getattr(graph, "outer_graph", None)
-        if tf.executing_eagerly():
-            yield None
 
     def current_claim(self) -> Claim | None:
         """The claim visible from the current graph, if any."""
         for graph in self._graphs():
-            claim = self._claims.get(self._graph_key(graph))
+            claim = self._claims.get(_key(graph))
             if claim is not None:
                 return claim
         return None
@@ -114,8 +109,7 @@ class StepState:
         deps = [t for t in (as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
         with tf.control_dependencies(deps):
             claim = Claim(self.store.claim_version(self.read_version, self.replica_id))
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._claims[self._graph_key(graph)] = claim
+        self._claims[_key(_graph_now())] = claim
         self.claimed = True
         if record:
             self.record(claim, tf.constant(True), None)
@@ -126,14 +120,60 @@ class StepState:
         claim.applied, claim.lr_scale = applied, lr_scale
         self.store.record(self.replica_id, claim.staleness, applied, lr_scale, self.examples)
 
+    def update(self, var, fn, args, kwargs):
+        """Applies one of the step's updates to a trainable store variable.
+
+        `fn(var, *args, **kwargs)` is the optimizer's update (Keras' calls it
+        with `(gradient, learning_rate)`). It waits for the step's claim,
+        made here once the gradient is known; an update that comes before
+        any gradient (weight decay) is deferred until the claim. A rule's
+        learning-rate factor scales the learning rate, and an
+        `IndexedSlices` gradient updates rows alone (`tf_diffmap.sparse`)
+        unless the optimizer asked for Keras' dense update.
+        """
+        claim = self.current_claim()
+        if claim is None:
+            gradients = [
+                a
+                for a in tf.nest.flatten((args, kwargs))
+                if isinstance(as_dependency(a), tf.Tensor) and a.shape == var.shape
+            ]
+            if not gradients:
+                # No gradient yet (Keras applies weight decay before the
+                # gradients): apply it after the step claims its version.
+                def deferred():
+                    with tf.device(var.device):
+                        fn(var, *args, **kwargs)
+
+                self.defer(deferred)
+                return None
+            claim = self.claim(after=gradients)
+        self.flush()
+        if claim.lr_scale is not None and len(args) == 2 and not kwargs:
+            # Keras' optimizers update with (gradient, learning_rate).
+            gradient, learning_rate = args
+            learning_rate = tf.convert_to_tensor(learning_rate)
+            learning_rate = learning_rate * tf.cast(claim.lr_scale, learning_rate.dtype)
+            args = (gradient, learning_rate)
+        with tf.control_dependencies([claim.staleness]):
+            if (
+                self.sparse_updates == "lazy"
+                and len(args) == 2
+                and not kwargs
+                and isinstance(args[0], tf.IndexedSlices)
+            ):
+                optimizer = _tf_internal.optimizer_of_update(fn)
+                if optimizer is not None and sparse.updates_rows(optimizer):
+                    return sparse.update_rows(optimizer, var, *args)
+            with tf.device(var.device):
+                return fn(var, *args, **kwargs)
+
     def defer(self, update) -> None:
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._deferred.setdefault(self._graph_key(graph), []).append(update)
+        self._deferred.setdefault(_key(_graph_now()), []).append(update)
 
     def flush(self) -> None:
         """Applies the updates deferred in this graph (after the claim)."""
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        pending = self._deferred.pop(self._graph_key(graph), [])
+        pending = self._deferred.pop(_key(_graph_now()), [])
         if pending:
             with tf.control_dependencies([self.current_claim().staleness]):
                 for update in pending:
@@ -146,12 +186,12 @@ class StepState:
             `outputs`, where a value read by rows stood in for is replaced
             by its read (see `_tf_internal.rewire_late_uses`).
         """
-        key = self._graph_key(None if tf.executing_eagerly() else self.graph)
-        if self._deferred.get(key):
+        eager = tf.executing_eagerly()
+        if self._deferred.get(_key(None if eager else self.graph)):
             self.claim(after=outputs)
             self.flush()
         self._resolve_reads()
-        if tf.executing_eagerly():
+        if eager:
             return outputs
         with self.graph.as_default():
             return _tf_internal.rewire_late_uses(self._row_reads, outputs)
@@ -215,42 +255,40 @@ class StepState:
         return variable.read_value()
 
 
-_current = threading.local()
-
-
 def current_step() -> StepState | None:
     """The replica step being traced in this thread, if any.
 
     `tf_diffmap.AsyncOptimizer` reads the step's staleness from here.
     """
-    return getattr(_current, "step", None)
+    return getattr(_tracing, "step", None)
+
+
+_FIELDS = ("active", "step_graph", "snapshots", "reads_as_rows", "stand_ins", "step")
 
 
 @contextlib.contextmanager
 def tracing_step(state: StepState | None):
-    previous = (
-        _tracing.active,
-        _tracing.step_graph,
-        _tracing.snapshots,
-        _tracing.reads_as_rows,
-        _tracing.stand_ins,
-        getattr(_current, "step", None),
-    )
-    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    _tracing.active, _tracing.step_graph, _tracing.snapshots = True, graph, {}
-    _tracing.reads_as_rows, _tracing.stand_ins = graph is not None, {}
-    _current.step = state
+    """Marks this thread as tracing (or eagerly running) `state`'s step."""
+    previous = [getattr(_tracing, field, None) for field in _FIELDS]
+    graph = _graph_now()
+    fresh = (True, graph, {}, graph is not None, {}, state)
+    for field, value in zip(_FIELDS, fresh):
+        setattr(_tracing, field, value)
     try:
         yield
     finally:
-        (
-            _tracing.active,
-            _tracing.step_graph,
-            _tracing.snapshots,
-            _tracing.reads_as_rows,
-            _tracing.stand_ins,
-            _current.step,
-        ) = previous
+        for field, value in zip(_FIELDS, previous):
+            setattr(_tracing, field, value)
+
+
+def _graph_now():
+    """The graph being built, or None when executing eagerly."""
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def _key(graph) -> Any:
+    # Eager execution has no graph object to key on.
+    return id(graph) if graph is not None else None
 
 
 def as_dependency(value):

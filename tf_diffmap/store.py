@@ -424,10 +424,6 @@ class ParameterStore:
             counts = self.counters.read_value()
             return tf.gather(counts[:, _UPDATES] + counts[:, _DROPPED], replica_id)
 
-    def claims_per_replica(self) -> list[int]:
-        counts = self.counters.numpy()
-        return [int(c) for c in counts[:, _UPDATES] + counts[:, _DROPPED]]
-
     def settle_abandoned(self) -> int:
         """With nothing in flight: counts the claims that never completed.
 

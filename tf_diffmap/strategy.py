@@ -28,7 +28,6 @@ Keras' graph, on the first replica device.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import threading
 import weakref
@@ -37,27 +36,21 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, faults, inputs, outputs, sparse
+from tf_diffmap import _tf_internal, faults, inputs, outputs
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
-    inter_op_threads,
-    local_cpu,
     resolve_devices,
     warn_if_one_replica,
 )
-from tf_diffmap.momentum import MomentumWatch
+from tf_diffmap.feed import StepFeed
+from tf_diffmap.optimizer import optimizer_chain
 from tf_diffmap.partitioned import resolve_partitioner
-from tf_diffmap.program import Program, batch_size, is_tensor
-from tf_diffmap.snapshots import CounterSnapshots
+from tf_diffmap.replica_step import ReplicaStep, run_eagerly, signature_of
+from tf_diffmap.runtime import Runtime
 from tf_diffmap.staleness import StalenessStats
-from tf_diffmap.step import StepState, as_dependency, current_step, tracing_step
-from tf_diffmap.store import (
-    ParameterStore,
-    optimizer_outside_scope_message,
-    outside_scope_message,
-)
-from tf_diffmap.workers import ReplicaState
+from tf_diffmap.step import current_step
+from tf_diffmap.store import optimizer_outside_scope_message, outside_scope_message
 
 __all__ = ["Strategy", "current_step"]
 
@@ -65,7 +58,13 @@ _tracing = _tf_internal.replica_tracing()
 
 
 class _AsyncExtended(_tf_internal.ExtendedBase):
-    """The `tf.distribute` hooks of `Strategy` (private TensorFlow API)."""
+    """The `tf.distribute` hooks of `Strategy` (private TensorFlow API).
+
+    Each hook translates TensorFlow's call into the runtime's terms: the
+    variables go to the parameter store, `strategy.run` to a traced replica
+    step and its feed, and `update` to the replica's own update of the store.
+    What the training shares while it runs is in `self.runtime`.
+    """
 
     def __init__(
         self,
@@ -80,195 +79,29 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         partitioner=None,
     ):
         super().__init__(container_strategy)
-        self.worker_timeout = worker_timeout
-        self.replica_devices = replica_devices
-        # Where each replica's ops run (`devices.compute_device`): replicas
-        # on the logical CPU devices of one task compute on its CPU:0,
-        # unless asked to keep to their own devices.
-        self.compute_devices = [
-            compute_device(d) if colocate_cpu_replicas else d for d in replica_devices
-        ]
-        self.parameter_devices_list = parameter_devices
-        self.max_staleness = max_staleness
-        self.queue_size = queue_size or 2 * len(replica_devices)
-        self.steps_per_loop = steps_per_loop
-        # Where Keras' graph runs (the chief on a cluster): the queue, the
-        # outputs, the flags that Keras' graph reads, and the count of
-        # completed steps live here.
-        self.client_host = local_cpu()
-        self._store = ParameterStore(
+        self.runtime = Runtime(
+            replica_devices,
+            # Where each replica's ops run (`devices.compute_device`):
+            # replicas on the logical CPU devices of one task compute on its
+            # CPU:0, unless asked to keep to their own devices.
+            [compute_device(d) if colocate_cpu_replicas else d for d in replica_devices],
             parameter_devices,
-            len(replica_devices),
-            on_host_access=self._on_host_access,
-            ledger_device=self.client_host,
-            partitioner=partitioner,
+            max_staleness,
+            queue_size,
+            steps_per_loop,
+            worker_timeout,
+            partitioner,
         )
-        # On a cluster: per replica, the CPU of its worker task, where its
-        # input is built (see `tf_diffmap.cluster`).
-        self.worker_hosts: list[str] | None = None
-        self._worker_input: inputs.WorkerInput | None = None
-        # The functions of inputs replaced while a worker was lost, held
-        # until no worker is: dropped, each would be removed from every
-        # remote task, the lost one included (a "Failed to remove function
-        # remotely" error of the runtime).
-        self._kept_functions: list = []
-        self._made_here: weakref.WeakSet = weakref.WeakSet()
-        with tf.init_scope(), tf.device(self.client_host):
-            # Set while a replica's error waits to be raised: the loops drop
-            # what they take, and the input pipelines end.
-            self.failed = tf.Variable(False, trainable=False, name="replica_failed")
-        # Counter snapshots that Keras' graph takes while a batch-level
-        # `StalenessTensorBoard` asks for them.
-        self.snapshots = CounterSnapshots(self._store, self.client_host)
-        self._programs: dict[Any, Program] = {}
-        self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
-        # An op that waits for a worker holds one of TensorFlow's inter-op
-        # threads while it waits; the workers' steps need another.
-        self._graph_may_wait = inter_op_threads() >= 2
+        # Per traced function and signature: its replica step, or for a
+        # training step the feed that runs it.
+        self._steps: dict[Any, ReplicaStep | StepFeed] = {}
         self._store_variable_ids: set[int] = set()
-        self._momentum_watch = MomentumWatch(check_every=1)
-        # Lost tasks: what a replica's error means, the replicas' record,
-        # and the thread that brings a lost worker back.
-        self.faults = faults.FaultHandler(replica_devices, on_back=self._rejoin)
-
-    # -- drain and errors ---------------------------------------------------
-
-    def _training_programs(self) -> list[Program]:
-        return [p for p in list(self._programs.values()) if p.trains]
-
-    def _on_host_access(self) -> None:
-        if any(p.loops.in_worker() for p in self._training_programs()):
-            return
-        self.drain()
-
-    def drain(self) -> None:
-        """Waits for every queued shard, stops the loops, raises an error."""
-        drained = False
-        for program in self._training_programs():
-            if program.loops.running() or program.in_flight():
-                program.loops.wait_idle(failed=lambda: self._error is not None)
-                program.loops.stop()
-                program.mark_drained()
-                drained = True
-        self.raise_error()
-        if drained:
-            # Nothing in flight: a claim that never completed was abandoned
-            # (its step was interrupted by a lost worker).
-            self._store.settle_abandoned()
-        if drained:
-            # Once per stretch of training: is momentum adding up past 1?
-            self._momentum_watch.check(self._store.statistics)
-
-    def raise_error(self) -> None:
-        """Raises, once, the first error of a replica (after stopping all loops)."""
-        if self._error is None:
-            return
-        for program in self._training_programs():
-            program.loops.stop()  # The failure flag is still set: they drop what is left.
-            program.resync()
-            program.mark_drained()
-        # A failed step may have claimed a version without completing it.
-        if self.faults.ps_lost is None:
-            self._store.settle_abandoned()
-        with self._error_lock:
-            error, self._error = self._error, None
-        self.failed.assign(False)
-        if error is not None:
-            self.snapshots.stop()  # the fit fails: its callbacks read no more
-            raise error
-
-    def _replica_failed(self, replica_id: int, error: BaseException) -> ReplicaState:
-        """A replica's loop raised (called from its thread): its next state.
-
-        A lost worker's replicas are LOST and the others go on; anything
-        fatal is kept to be raised, and the failure flag ends the input.
-        """
-        state, raised = self.faults.verdict(replica_id, error)
-        if state != "failed":
-            return ReplicaState(state)
-        with self._error_lock:
-            if self._error is None:
-                self._error = raised
-        self.failed.assign(True)
-        return ReplicaState.FAILED
-
-    def _rejoin(self, task: str, replica_ids: list[int], restarted: bool = True) -> None:
-        """A lost worker serves again (called from the rejoiner's thread), or
-        a hung one answers (`restarted` False; from its last call's thread)."""
-        if self._worker_input is not None and task:
-            self._worker_input.rebuild(task, restarted)
-        for program in self._training_programs():
-            program.loops.rejoin(replica_ids)
-        if not self.lost_tasks() - {task}:
-            # Every task serves (the rejoined one knows every function).
-            self._kept_functions.clear()
-
-    def _new_worker_input(self, **source) -> inputs.WorkerInput:
-        """A new input on the workers, which replaces the current one."""
-        lost = self.lost_tasks()
-        if not lost:
-            self._kept_functions.clear()
-        elif self._worker_input is not None:
-            self._kept_functions.extend(self._worker_input.functions())
-        self._worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
-        return self._worker_input
-
-    # -- hung replicas (`workers.HangHandler`) -----------------------------
-
-    def group_of(self, replica_id: int) -> list[int]:
-        return self.faults.group_of(replica_id)
-
-    def hung(self, replica_id: int, group, seconds: float) -> None:
-        self.faults.hung(replica_id, group, seconds)
-
-    def answered(self, group) -> None:
-        self.faults.answered(group)
-        task = faults.task_name(self.replica_devices[group[0]]) if self.faults.on_cluster else ""
-        self._rejoin(task, list(group), restarted=False)
-
-    def replica_states(self) -> list[faults.ReplicaReport]:
-        running = {r: "running" for r in range(len(self.replica_devices))}
-        for program in self._training_programs():
-            for r, state in enumerate(program.loops.states()):
-                if state is not ReplicaState.RUNNING:
-                    running[r] = state.value
-        reports = self.faults.reports()
-        return [
-            report if report.state == "lost" else dataclasses.replace(report, state=running[r])
-            for r, report in enumerate(reports)
-        ]
-
-    def _drain_from_graph(self) -> None:
-        """A drain asked for by a step in a graph (evaluate, predict)."""
-        in_flight = sum(p.in_flight() for p in self._training_programs())
-        if in_flight and not self._graph_may_wait:
-            raise RuntimeError(
-                f"A step that reads the whole model runs while {in_flight} "
-                "replica steps are still queued or running, and TensorFlow has a "
-                "single inter-op thread: waiting for them inside this step would "
-                "hold the thread they need. Call `strategy.drain()` before this "
-                "step, or give TensorFlow two or more inter-op threads "
-                "(`tf.config.threading.set_inter_op_parallelism_threads(2)` "
-                "before anything runs)."
-            )
-        self.drain()
-
-    def graph_may_wait(self) -> bool:
-        """Whether an op in a graph may wait for the workers."""
-        return self._graph_may_wait
-
-    def in_flight(self) -> int:
-        """Shards queued or being applied, over every training program."""
-        return sum(p.in_flight() for p in self._training_programs())
-
-    def replica_steps(self) -> list[int]:
-        return self._store.steps_per_replica()
+        self._made_here: weakref.WeakSet = weakref.WeakSet()
 
     # -- variables ----------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        variable = self._store.create(next_creator, kwargs)
+        variable = self.runtime.store.create(next_creator, kwargs)
         self._store_variable_ids.add(id(variable))
         return variable
 
@@ -313,7 +146,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def _num_replicas_in_sync(self):
         # Inside a replica step each replica applies its own update, as a
         # one-replica step would: Keras must not divide its loss by N there.
-        return 1 if _tracing.active else len(self.replica_devices)
+        return 1 if _tracing.active else len(self.runtime.replica_devices)
 
     def _use_merge_call(self):
         return False
@@ -327,7 +160,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def _call_for_each_replica(self, fn, args, kwargs):
         kwargs = kwargs or {}
         if tf.executing_eagerly():
-            return self._run_eagerly(fn, args, kwargs)
+            return run_eagerly(self.runtime, self._container_strategy(), fn, args, kwargs)
         if _tf_internal.in_xla_context():
             raise ValueError(
                 "tf_diffmap.Strategy hands each step's shards to its replicas "
@@ -336,28 +169,10 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                 "being compiled (jit_compile=True). Compile the model with "
                 "jit_compile=False."
             )
-        program = self._program_for(fn, args, kwargs)
-        if program.trains:
-            return program.dispatch_in_graph(args, kwargs)
-        return program.call_in_graph(args, kwargs)
-
-    def _run_eagerly(self, fn, args, kwargs):
-        """`run_eagerly=True` and eager `strategy.run`: one replica, in order."""
-        self.drain()
-        strategy = self._container_strategy()
-        with (
-            tf.device(self.compute_devices[0]),
-            tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
-        ):
-            leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if is_tensor(leaf)]
-            before = self._store.claims_of(0)
-            state = StepState(self._store, tf.constant(0, tf.int32), batch_size(leaves))
-            with tracing_step(state):
-                outputs = fn(*args, **kwargs)
-                outputs = state.finish(outputs)
-            if state.claimed:
-                self._store.complete(0, self._store.claims_of(0) - before)
-        return outputs
+        step = self._step_for(fn, args, kwargs)
+        if isinstance(step, StepFeed):
+            return step.dispatch_in_graph(args, kwargs)
+        return step.call_in_graph(args, kwargs)
 
     def _check_optimizer(self, target) -> None:
         """Refuses what a Keras model's optimizer does that cannot be async.
@@ -367,8 +182,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         its loss with it and must unscale its gradient by the same value,
         though other replicas may halve or double it in between.
         """
-        optimizer = getattr(getattr(target, "__self__", None), "optimizer", None)
-        while optimizer is not None:
+        model_optimizer = getattr(getattr(target, "__self__", None), "optimizer", None)
+        for optimizer in optimizer_chain(model_optimizer):
             created_under = _tf_internal.optimizer_strategy(optimizer)
             if created_under is not None and created_under is not self._container_strategy():
                 raise ValueError(optimizer_outside_scope_message(optimizer))
@@ -383,30 +198,22 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
                     "tf_diffmap.Strategy applies each replica's gradient on "
                     "its own. Use a larger batch size instead."
                 )
-            optimizer = getattr(optimizer, "inner_optimizer", None)
 
-    def _program_for(self, fn, args, kwargs) -> Program:
+    def _step_for(self, fn, args, kwargs) -> ReplicaStep | StepFeed:
+        """The traced replica step for this call (and signature), or its feed."""
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
-        self._momentum_watch.watch(getattr(getattr(target, "__self__", None), "optimizer", None))
-        leaves = tf.nest.flatten((args, kwargs))
-        signature = tuple(
-            (
-                tuple(tf.TensorShape(leaf.shape)[1:].as_list())
-                if getattr(leaf, "shape", None) is not None and tf.TensorShape(leaf.shape).rank
-                else None,
-                getattr(leaf, "dtype", type(leaf)),
-            )
-            if is_tensor(leaf)
-            else ("static", repr(leaf))
-            for leaf in leaves
+        self.runtime.momentum_watch.watch(
+            getattr(getattr(target, "__self__", None), "optimizer", None)
         )
-        key = (target, tf.nest.map_structure(lambda _: 0, (args, kwargs)).__repr__(), signature)
-        program = self._programs.get(key)
-        if program is None:
-            program = Program(self, fn, args, kwargs)
-            self._programs[key] = program
-        return program
+        key = (target, *signature_of(args, kwargs))
+        step = self._steps.get(key)
+        if step is None:
+            step = ReplicaStep(self.runtime, self._container_strategy(), fn, args, kwargs)
+            if step.trains:
+                step = StepFeed(step, self.runtime)
+            self._steps[key] = step
+        return step
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # Each replica applies its own gradient: there is nothing to reduce.
@@ -425,54 +232,19 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             # of the parameters: it neither claims a version nor waits for one.
             with tf.device(var.device):
                 return fn(var, *args, **kwargs)
-        claim = state.current_claim()
-        if claim is None:
-            gradients = [
-                a
-                for a in tf.nest.flatten((args, kwargs))
-                if isinstance(as_dependency(a), tf.Tensor) and a.shape == var.shape
-            ]
-            if not gradients:
-                # No gradient yet (Keras applies weight decay before the
-                # gradients): apply it after the step claims its version.
-                def deferred():
-                    with tf.device(var.device):
-                        fn(var, *args, **kwargs)
-
-                state.defer(deferred)
-                return None
-            claim = state.claim(after=gradients)
-        state.flush()
-        if claim.lr_scale is not None and len(args) == 2 and not kwargs:
-            # Keras' optimizers update with (gradient, learning_rate).
-            gradient, learning_rate = args
-            learning_rate = tf.convert_to_tensor(learning_rate)
-            learning_rate = learning_rate * tf.cast(claim.lr_scale, learning_rate.dtype)
-            args = (gradient, learning_rate)
-        with tf.control_dependencies([claim.staleness]):
-            if (
-                state.sparse_updates == "lazy"
-                and len(args) == 2
-                and not kwargs
-                and isinstance(args[0], tf.IndexedSlices)
-            ):
-                optimizer = _tf_internal.optimizer_of_update(fn)
-                if optimizer is not None and sparse.updates_rows(optimizer):
-                    return sparse.update_rows(optimizer, var, *args)
-            with tf.device(var.device):
-                return fn(var, *args, **kwargs)
+        return state.update(var, fn, args, kwargs)
 
     def _update(self, var, fn, args, kwargs, group):
         with tf.device(var.device):
             return fn(var, *args, **kwargs)
 
     def _update_non_slot(self, colocate_with, fn, args, kwargs, group):
-        device = colocate_with[0].device if colocate_with else self._store.host
+        device = colocate_with[0].device if colocate_with else self.runtime.store.host
         with tf.device(device):
             return fn(*args, **kwargs)
 
     def non_slot_devices(self, var_list):
-        return self._store.host
+        return self.runtime.store.host
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Values are never per-replica here: a value is whole, or stands for
@@ -502,48 +274,28 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def _experimental_distribute_dataset(self, dataset, options):
         if dataset in self._made_here:
             return dataset
-        if self.worker_hosts is not None and not inputs.for_keras_inference():
-            return self._distributed(self._new_worker_input(dataset=dataset).tokens)
-        made = inputs.host_dataset(dataset, self.failed)
-        if self.lost_tasks():
+        runtime = self.runtime
+        if runtime.worker_hosts is not None and not inputs.for_keras_inference():
+            return self._distributed(runtime.new_worker_input(dataset=dataset).tokens)
+        made = inputs.host_dataset(dataset, runtime.failed)
+        if runtime.lost_tasks():
             # Its functions are removed from every task once Keras drops it.
-            self._kept_functions.extend(_tf_internal.dataset_functions(made))
+            runtime.keep_functions(_tf_internal.dataset_functions(made))
         return self._distributed(made)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
-        if self.worker_hosts is not None:
-            return self._distributed(self._new_worker_input(dataset_fn=dataset_fn).tokens)
+        runtime = self.runtime
+        if runtime.worker_hosts is not None:
+            return self._distributed(runtime.new_worker_input(dataset_fn=dataset_fn).tokens)
+        replicas = len(runtime.replica_devices)
         context = tf.distribute.InputContext(
-            num_input_pipelines=1,
-            input_pipeline_id=0,
-            num_replicas_in_sync=len(self.replica_devices),
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas
         )
         return self._distributed(
             inputs.host_dataset(
-                inputs.group_replica_batches(dataset_fn(context), len(self.replica_devices)),
-                self.failed,
+                inputs.group_replica_batches(dataset_fn(context), replicas), runtime.failed
             )
         )
-
-    def lost_tasks(self) -> set[str]:
-        """The worker tasks whose replicas are lost now."""
-        return {faults.task_name(self.replica_devices[r]) for r in self.faults.lost()}
-
-    def worker_input_for(self, specs) -> inputs.WorkerInput | None:
-        """The input on the workers that a new program reads, if any.
-
-        A program fed tokens of the latest distributed dataset reads its
-        shards on the workers; one fed real batches (a custom loop's
-        tensors) gets them through the queue.
-        """
-        source = self._worker_input
-        if source is None:
-            return None
-        flat = tf.nest.flatten(source.element_spec)
-        same = len(flat) == len(specs) and all(
-            a.dtype == b.dtype and a.shape.rank == b.shape.rank for a, b in zip(flat, specs)
-        )
-        return source if same else None
 
     def _experimental_distribute_values_from_function(self, value_fn):
         raise NotImplementedError(
@@ -556,11 +308,11 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     @property
     def worker_devices(self):
-        return tuple(dict.fromkeys(self.replica_devices))
+        return tuple(dict.fromkeys(self.runtime.replica_devices))
 
     @property
     def parameter_devices(self):
-        return tuple(self.parameter_devices_list)
+        return tuple(self.runtime.parameter_devices)
 
     @property
     def experimental_between_graph(self):
@@ -578,9 +330,14 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def should_save_summary(self):
         return True
 
-    @property
-    def _globalbatch_size(self):
-        return True
+
+def _check_int(name: str, value, minimum: int, none: str = "", note: str = "") -> None:
+    """Raises unless `value` is an int (not a bool) >= `minimum`, or None
+    where `none` says what None means."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be {none}an int >= {minimum}{note}, received {value!r}.")
 
 
 class Strategy(_tf_internal.StrategyBase):
@@ -611,7 +368,7 @@ class Strategy(_tf_internal.StrategyBase):
             devices on its CPU:0 (default). Logical CPU devices share one
             memory and one pool of threads, so this changes no replica's
             work, id or figures, and saves the transfers between devices
-            (about 40% of the CPU an update costs on a small model). False
+            (a large part of what an update costs on a small model). False
             places each replica's ops on its own device, as a GPU replica's
             are, with those transfers.
         worker_timeout: seconds a replica may hold one shard while the
@@ -665,29 +422,12 @@ class Strategy(_tf_internal.StrategyBase):
         variable_partitioner="auto",
     ):
         _tf_internal.check_compatibility()
-        if (
-            isinstance(replicas_per_device, bool)
-            or not isinstance(replicas_per_device, int)
-            or replicas_per_device < 1
-        ):
-            raise ValueError(
-                f"replicas_per_device must be an int >= 1, received {replicas_per_device!r}."
-            )
-        if max_staleness is not None and (
-            isinstance(max_staleness, bool)
-            or not isinstance(max_staleness, int)
-            or max_staleness < 0
-        ):
-            raise ValueError(
-                "max_staleness must be None (fully asynchronous) or an int >= 0 "
-                f"(0 is lock-step), received {max_staleness!r}."
-            )
-        if (
-            isinstance(steps_per_loop, bool)
-            or not isinstance(steps_per_loop, int)
-            or steps_per_loop < 1
-        ):
-            raise ValueError(f"steps_per_loop must be an int >= 1, received {steps_per_loop!r}.")
+        _check_int("replicas_per_device", replicas_per_device, 1)
+        _check_int(
+            "max_staleness", max_staleness, 0, "None (fully asynchronous) or ", " (0 is lock-step)"
+        )
+        _check_int("steps_per_loop", steps_per_loop, 1)
+        _check_int("queue_size", queue_size, 1, "None (two per replica) or ")
         if not isinstance(colocate_cpu_replicas, bool):
             raise ValueError(
                 f"colocate_cpu_replicas must be True or False, received {colocate_cpu_replicas!r}."
@@ -701,8 +441,6 @@ class Strategy(_tf_internal.StrategyBase):
                 "worker_timeout must be None (wait for a hung worker for ever) or a "
                 f"number of seconds > 0, received {worker_timeout!r}."
             )
-        if queue_size is not None and (not isinstance(queue_size, int) or queue_size < 1):
-            raise ValueError(f"queue_size must be an int >= 1, received {queue_size!r}.")
         if devices is None:
             base = default_replica_devices()
         else:
@@ -734,6 +472,10 @@ class Strategy(_tf_internal.StrategyBase):
             )
         )
 
+    @property
+    def _runtime(self) -> Runtime:
+        return self.extended.runtime
+
     @contextlib.contextmanager
     def scope(self):
         """`tf.distribute.Strategy.scope`, with a clear error for a foreign optimizer.
@@ -756,36 +498,36 @@ class Strategy(_tf_internal.StrategyBase):
     @property
     def replica_devices(self) -> tuple[str, ...]:
         """The device of each replica, by replica id."""
-        return tuple(self.extended.replica_devices)
+        return tuple(self._runtime.replica_devices)
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         """The devices the parameter store is sharded over."""
-        return tuple(self.extended.parameter_devices_list)
+        return tuple(self._runtime.parameter_devices)
 
     @property
     def variable_partitioner(self):
         """What splits large variables over the parameter devices, or None."""
-        return self.extended._store.partitioner
+        return self._runtime.store.partitioner
 
     @property
     def max_staleness(self) -> int | None:
         """The Stale Synchronous Parallel bound, or None."""
-        return self.extended.max_staleness
+        return self._runtime.max_staleness
 
     @property
     def steps_per_loop(self) -> int:
         """K: the most shards one call of a replica's loop applies."""
-        return self.extended.steps_per_loop
+        return self._runtime.steps_per_loop
 
     @property
     def version(self) -> int:
         """Updates claimed so far, applied or dropped (a snapshot; does not drain)."""
-        return int(self.extended._store.version.numpy())
+        return int(self._runtime.store.version.numpy())
 
     def statistics(self) -> StalenessStats:
         """Per-replica updates, staleness and histogram (a snapshot)."""
-        return self.extended._store.statistics()
+        return self._runtime.store.statistics()
 
     def replica_states(self) -> list[faults.ReplicaReport]:
         """Each replica's state, and when and why it was last lost (a snapshot).
@@ -795,12 +537,12 @@ class Strategy(_tf_internal.StrategyBase):
         showed it, `since` the wall-clock time of its last change, `lost`
         how often it was lost.
         """
-        return self.extended.replica_states()
+        return self._runtime.replica_states()
 
     def reset_statistics(self) -> None:
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
-        self.extended._store.reset_statistics()
+        self._runtime.store.reset_statistics()
 
     def reduce(
         self, reduce_op: tf.distribute.ReduceOp | str, value: Any, axis: int | None
@@ -838,7 +580,7 @@ class Strategy(_tf_internal.StrategyBase):
         Raises:
             Exception: the exception a replica's step raised, if one did.
         """
-        self.extended.drain()
+        self._runtime.drain()
 
     def shutdown(self) -> None:
         """Drops queued shards and stops the worker threads now.
@@ -846,32 +588,19 @@ class Strategy(_tf_internal.StrategyBase):
         Threads also stop by themselves a second after their last shard, and
         start again with the next step.
         """
-        extended = self.extended
-        extended.failed.assign(True)  # The loops drop what is still queued.
-        try:
-            extended.faults.stop()
-            for program in extended._training_programs():
-                program.loops.stop()
-                program.mark_drained()
-        finally:
-            if extended._error is None:
-                extended.failed.assign(False)
+        self._runtime.shutdown()
 
     def worker_threads(self) -> list[threading.Thread]:
         """The worker threads alive now (for tests and diagnostics)."""
-        loops = [t for p in self.extended._training_programs() for t in p.loops.threads()]
-        return loops + self.extended.faults.rejoiner.threads()
+        return self._runtime.threads()
 
     def seconds_held_back(self) -> list[float]:
         """Per replica, the time `max_staleness` kept it waiting for others."""
-        waited = [0.0] * len(self.replica_devices)
-        for program in self.extended._training_programs():
-            waited = [a + b for a, b in zip(waited, program.loops.seconds_waited())]
-        return waited
+        return self._runtime.seconds_held_back()
 
     def replica_steps(self) -> list[int]:
         """Steps (shards) each replica has completed since the strategy began."""
-        return self.extended.replica_steps()
+        return self._runtime.store.steps_per_replica()
 
     def __repr__(self) -> str:
         return (

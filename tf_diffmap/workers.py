@@ -91,7 +91,7 @@ _GONE = (ReplicaState.LOST, ReplicaState.REJOINING)
 
 
 class LoopRunner(Protocol):
-    """What `ReplicaLoops` drives: one program's queue and loop functions."""
+    """What `ReplicaLoops` drives: a training step's queue and loops (`feed.StepFeed`)."""
 
     def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
         """Applies up to `max_steps` queued shards; returns (taken, stopped)."""
@@ -138,10 +138,10 @@ class HangHandler(Protocol):
 
 
 class ReplicaLoops:
-    """Threads running one program's replica loops, asynchronously.
+    """Threads running one training step's replica loops, asynchronously.
 
     Args:
-        runner: the program's queue and loop functions.
+        runner: the training step's queue and loop functions.
         num_replicas: how many threads (one per replica id).
         on_error: called (from the failing thread) with the replica id and
             the error its loop raised; returns the replica's next state:

@@ -3,10 +3,9 @@
 An event file is a TFRecord file of `Event` protocol buffers whose first
 record names the format (`brain.Event:2`); TensorBoard reads every file of a
 run directory whose name contains `tfevents`. `tf.summary` writes the same
-thing, but through TensorFlow ops: measured on a loaded 2-core host, one
-`tf.summary.experimental.write_raw_pb` of a point cost 0.4 to 0.7 ms, the
-same event through `tf.io.TFRecordWriter` 15 us. A point per batch has to be
-cheap, so the callback writes its events here, encoded by hand (`varint`,
+thing, but through TensorFlow ops, each an eager op call per point, where
+`tf.io.TFRecordWriter` writes a record without one. A point per batch has to
+be cheap, so the callback writes its events here, encoded by hand (`varint`,
 `field`: the protocol buffer wire format) from bytes made once per tag.
 """
 

@@ -1,0 +1,266 @@
+"""The replica step: the function Keras hands to `strategy.run`, traced per device.
+
+`ReplicaStep` traces that function once per device that replicas compute on
+(`devices.compute_device`), as a concrete function of a replica id and one
+shard: it reads the store version, runs the step under a `StepState` (which
+claims a version and applies the replica's own update), and returns its
+outputs with the replica's count of claims. Tracing runs in a helper thread
+(`in_clean_thread`): Keras' own trace has lifted scopes that would stop the
+gradient tape. Whether the step trains (claims a version) decides how it is
+run: a training step is fed to the replicas' loops (`feed.StepFeed`); any
+other runs whole, synchronously, on the first replica's device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+from tf_diffmap.step import StepState, tracing_step
+
+if TYPE_CHECKING:
+    from tf_diffmap.runtime import Runtime
+
+__all__ = [
+    "ReplicaStep",
+    "batch_size",
+    "in_clean_thread",
+    "is_tensor",
+    "run_eagerly",
+    "signature_of",
+]
+
+
+def batch_size(tensors) -> tf.Tensor | None:
+    """Examples in a shard: the leading dimension of its first batched tensor."""
+    for tensor in tensors:
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.shape.rank:
+            return tf.shape(tensor, out_type=tf.int64)[0]
+    return None
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
+
+
+def in_clean_thread(fn: Callable[[], Any], name: str = "tf_diffmap-trace") -> Any:
+    """Runs `fn` in a new thread, outside the caller's graph and scopes.
+
+    Returns:
+        What `fn` returned; what it raised is raised here.
+    """
+    result: dict[str, Any] = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            result["error"] = error
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def signature_of(args, kwargs) -> tuple:
+    """What tells apart two calls of one function that need two traces:
+    their structure, each tensor's dtype and shape past the batch
+    dimension, and every other leaf's value."""
+    leaves = tf.nest.flatten((args, kwargs))
+    signature = tuple(
+        (
+            tuple(tf.TensorShape(leaf.shape)[1:].as_list())
+            if getattr(leaf, "shape", None) is not None and tf.TensorShape(leaf.shape).rank
+            else None,
+            getattr(leaf, "dtype", type(leaf)),
+        )
+        if is_tensor(leaf)
+        else ("static", repr(leaf))
+        for leaf in leaves
+    )
+    return repr(tf.nest.map_structure(lambda _: 0, (args, kwargs))), signature
+
+
+def run_eagerly(runtime: Runtime, strategy, fn, args, kwargs):
+    """`run_eagerly=True` and eager `strategy.run`: one replica, in order."""
+    runtime.drain()
+    with (
+        tf.device(runtime.compute_devices[0]),
+        tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
+    ):
+        leaves = [leaf for leaf in tf.nest.flatten((args, kwargs)) if is_tensor(leaf)]
+        before = runtime.store.claims_of(0)
+        state = StepState(runtime.store, tf.constant(0, tf.int32), batch_size(leaves))
+        with tracing_step(state):
+            outputs = fn(*args, **kwargs)
+            outputs = state.finish(outputs)
+        if state.claimed:
+            runtime.store.complete(0, runtime.store.claims_of(0) - before)
+    return outputs
+
+
+def _shard_specs(leaves, positions) -> list[tf.TensorSpec]:
+    """One shard's specs: each tensor's, its batch dimension left open."""
+    specs = []
+    for i in positions:
+        leaf = leaves[i]
+        if isinstance(leaf, (tf.SparseTensor, tf.RaggedTensor)):
+            raise ValueError(
+                "tf_diffmap.Strategy splits batches of dense tensors into "
+                f"shards, received a {type(leaf).__name__}. Make it dense in the "
+                "input pipeline (`tf.sparse.to_dense(t)` for a SparseTensor, "
+                "`t.to_tensor()` for a RaggedTensor)."
+            )
+        leaf = tf.convert_to_tensor(leaf)
+        shape = leaf.shape
+        if shape.rank:
+            shape = tf.TensorShape([None]).concatenate(shape[1:])
+        specs.append(tf.TensorSpec(shape, leaf.dtype))
+    return specs
+
+
+class ReplicaStep:
+    """`fn` traced as one replica's step, per device replicas compute on.
+
+    Args:
+        runtime: the strategy's runtime (store, devices).
+        strategy: the strategy whose replica context the step runs in.
+        fn, args, kwargs: what `strategy.run` was given.
+
+    Attributes:
+        specs: one shard's tensor specs, in the order `fn`'s tensors come.
+        trains: whether the step claims a store version (applies an update).
+        concretes: per compute device, the concrete function
+            `(replica_id, *shard) -> (outputs, claims)`.
+    """
+
+    def __init__(self, runtime: Runtime, strategy, fn, args, kwargs):
+        self.runtime = runtime
+        self.structure = (args, kwargs)
+        leaves = tf.nest.flatten(self.structure)
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if is_tensor(leaf)]
+        self.static_leaves = [
+            None if i in self.tensor_positions else leaf for i, leaf in enumerate(leaves)
+        ]
+        self.specs = _shard_specs(leaves, self.tensor_positions)
+        self.concretes: dict[str, Any] = {}
+        self.trains = False
+        try:
+            in_clean_thread(lambda: self._trace(fn, strategy))
+        except RuntimeError as error:
+            if "Mixing different tf.distribute" in str(error):
+                raise RuntimeError(
+                    f"{error} -- an object used in the step (usually the "
+                    "optimizer) was created outside `strategy.scope()`. Create "
+                    "it inside the scope, for example `with strategy.scope(): "
+                    "model.compile(optimizer=keras.optimizers.SGD(...), ...)`."
+                ) from error
+            raise
+        self.concrete = self.concretes[runtime.compute_devices[0]]
+
+    # -- tracing -------------------------------------------------------------
+
+    def _trace(self, fn, strategy) -> None:
+        runtime = self.runtime
+        install_summary_state = _tf_internal.capture_summary_state()
+        dtype_policy = keras.config.dtype_policy()
+        # Shards that come from the client host (no input on the workers) are
+        # counted there, beside the statistics that record their examples,
+        # rather than on the replica's device, whence the count would travel
+        # back at every step.
+        counted_on_host = runtime.worker_hosts is None
+        trains = []
+
+        def on_device(device):
+            def step(replica_id, *tensors):
+                args, kwargs = self.pack(tensors)
+                with tf.device(runtime.client_host if counted_on_host else device):
+                    examples = batch_size(tensors)
+                with (
+                    tf.device(device),
+                    tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
+                ):
+                    state = StepState(runtime.store, replica_id, examples)
+                    with tracing_step(state):
+                        with tf.control_dependencies([state.read_version]):
+                            outputs = fn(*args, **kwargs)
+                        outputs = state.finish(outputs)
+                    # Claims this replica has made in all (read after this
+                    # step's records): a claim inside a branch may not run.
+                    claims = runtime.store.claims_of(replica_id)
+                    graph = tf.compat.v1.get_default_graph()
+                    _tf_internal.place_scalars_beside_reads(graph, device)
+                    _tf_internal.pack_crossings(graph)
+                trains.append(state.claimed)
+                return outputs, claims
+
+            return step
+
+        install_summary_state()
+        keras.config.set_dtype_policy(dtype_policy)
+        with strategy.scope():
+            for device in dict.fromkeys(runtime.compute_devices):
+                function = tf.function(on_device(device), autograph=False)
+                self.concretes[device] = function.get_concrete_function(
+                    tf.TensorSpec([], tf.int32), *self.specs
+                )
+                if not trains[0]:
+                    break  # A synchronous step runs on the first device only.
+        self.trains = trains[0]
+
+    # -- structure -----------------------------------------------------------
+
+    def pack(self, tensors):
+        """`(args, kwargs)` of `fn`, with these tensors in its tensors' places."""
+        leaves = list(self.static_leaves)
+        for i, tensor in zip(self.tensor_positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(self.structure, leaves)
+
+    def tensors_of(self, args, kwargs) -> list:
+        """The tensors of a call's `(args, kwargs)`, in the order of `specs`."""
+        leaves = tf.nest.flatten((args, kwargs))
+        return [leaves[i] for i in self.tensor_positions]
+
+    def output_specs(self):
+        """The outputs' structure, its leaves, and the positions of tensors."""
+        outputs, _ = self.concrete.structured_outputs
+        leaves = tf.nest.flatten(outputs)
+        positions = [i for i, o in enumerate(leaves) if isinstance(o, tf.Tensor)]
+        return outputs, leaves, positions
+
+    def flat_outputs(self, outputs) -> list[tf.Tensor]:
+        """The tensors of the step's outputs, in order."""
+        flat = tf.nest.flatten(outputs)
+        return [flat[i] for i in self.output_specs()[2]]
+
+    def pack_outputs(self, tensors):
+        """The step's outputs, with these tensors in its tensors' places."""
+        structure, leaves, positions = self.output_specs()
+        leaves = [None if isinstance(o, tf.Tensor) else o for o in leaves]
+        for i, tensor in zip(positions, tensors):
+            leaves[i] = tensor
+        return tf.nest.pack_sequence_as(structure, leaves)
+
+    # -- a synchronous step ------------------------------------------------
+
+    def call_in_graph(self, args, kwargs):
+        """A step that applies no update: drain, then run on the first replica device."""
+        drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
+        with tf.control_dependencies([drained]):
+            outputs, _ = self.concrete(tf.constant(0, tf.int32), *self.tensors_of(args, kwargs))
+        return outputs
+
+    def _drain(self):
+        self.runtime.drain_from_graph()
+        return True

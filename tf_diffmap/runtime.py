@@ -1,0 +1,304 @@
+"""The state an asynchronous strategy's training shares while it runs.
+
+`Runtime` holds what the strategy's `tf.distribute` hooks (`strategy.py`) and
+the step feeds (`feed.py`) both use: the parameter store, the failure flag and
+the first replica error waiting to be raised, the replicas' fault record, the
+input built on the workers, and the feeds of the training steps traced so far.
+It drains them (waits for every queued shard), raises a replica's error once,
+and brings lost replicas back. It imports neither the strategy nor the feeds:
+a feed registers itself here (`add_feed`), and the runtime sees it through the
+`Feed` protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import tensorflow as tf
+
+from tf_diffmap import faults, inputs
+from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu
+from tf_diffmap.momentum import MomentumWatch
+from tf_diffmap.snapshots import CounterSnapshots
+from tf_diffmap.store import ParameterStore
+from tf_diffmap.workers import ReplicaState
+
+__all__ = ["Feed", "Runtime"]
+
+
+class Feed(Protocol):
+    """What the runtime asks of a training step's feed (`feed.StepFeed`)."""
+
+    def running(self) -> bool: ...
+    def in_worker(self) -> bool: ...
+    def in_flight(self) -> int: ...
+    def wait_idle(self, failed) -> None: ...
+    def stop(self) -> None: ...
+    def mark_drained(self) -> None: ...
+    def resync(self) -> None: ...
+    def rejoin(self, replica_ids: Sequence[int]) -> None: ...
+    def states(self) -> list[ReplicaState]: ...
+    def threads(self) -> list[threading.Thread]: ...
+    def seconds_waited(self) -> list[float]: ...
+
+
+class Runtime:
+    """What the strategy's hooks and its step feeds share.
+
+    Args:
+        replica_devices: the device of each replica.
+        compute_devices: where each replica's ops run (`devices.compute_device`).
+        parameter_devices: the devices of the parameter store.
+        max_staleness: the Stale Synchronous Parallel bound, or None.
+        queue_size: shards that may wait for a replica; None: two per replica.
+        steps_per_loop: the most shards one call of a replica's loop applies.
+        worker_timeout: seconds before a replica that holds the others up is
+            treated as hung, or None.
+        partitioner: what splits large variables (`partitioned`), or None.
+    """
+
+    def __init__(
+        self,
+        replica_devices: Sequence[str],
+        compute_devices: Sequence[str],
+        parameter_devices: Sequence[str],
+        max_staleness: int | None,
+        queue_size: int | None,
+        steps_per_loop: int,
+        worker_timeout: float | None,
+        partitioner=None,
+    ):
+        self.replica_devices = list(replica_devices)
+        self.compute_devices = list(compute_devices)
+        self.parameter_devices = list(parameter_devices)
+        self.max_staleness = max_staleness
+        self.queue_size = queue_size or 2 * len(self.replica_devices)
+        self.steps_per_loop = steps_per_loop
+        self.worker_timeout = worker_timeout
+        # Where Keras' graph runs (the chief on a cluster): the queue, the
+        # outputs, the flags that Keras' graph reads, and the count of
+        # completed steps live here.
+        self.client_host = local_cpu()
+        self.store = ParameterStore(
+            self.parameter_devices,
+            len(self.replica_devices),
+            on_host_access=self._on_host_access,
+            ledger_device=self.client_host,
+            partitioner=partitioner,
+        )
+        # On a cluster: per replica, the CPU of its worker task, where its
+        # input is built (`read_input_on_workers`).
+        self.worker_hosts: list[str] | None = None
+        self.worker_input: inputs.WorkerInput | None = None
+        # The functions of inputs replaced while a worker was lost, held
+        # until no worker is: dropped, each would be removed from every
+        # remote task, the lost one included (a "Failed to remove function
+        # remotely" error of the runtime).
+        self._kept_functions: list = []
+        with tf.init_scope(), tf.device(self.client_host):
+            # Set while a replica's error waits to be raised: the loops drop
+            # what they take, and the input pipelines end.
+            self.failed = tf.Variable(False, trainable=False, name="replica_failed")
+        # Counter snapshots that Keras' graph takes while a batch-level
+        # `StalenessTensorBoard` asks for them.
+        self.snapshots = CounterSnapshots(self.store, self.client_host)
+        self._feeds: list[Feed] = []
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        # An op that waits for a worker holds one of TensorFlow's inter-op
+        # threads while it waits; the workers' steps need another.
+        self.graph_may_wait = inter_op_threads() >= 2
+        self.momentum_watch = MomentumWatch(check_every=1)
+        # Lost tasks: what a replica's error means, the replicas' record,
+        # and the thread that brings a lost worker back.
+        self.faults = faults.FaultHandler(self.replica_devices, on_back=self._rejoin)
+
+    # -- the feeds ---------------------------------------------------------
+
+    def add_feed(self, feed: Feed) -> None:
+        """A training step's feed, to drain and bring replicas back to."""
+        self._feeds.append(feed)
+
+    def feeds(self) -> list[Feed]:
+        return list(self._feeds)
+
+    def in_flight(self) -> int:
+        """Shards queued or being applied, over every feed."""
+        return sum(feed.in_flight() for feed in self._feeds)
+
+    def keep_functions(self, functions) -> None:
+        """Functions to keep alive while a worker is lost (see `__init__`)."""
+        self._kept_functions.extend(functions)
+
+    # -- drain and errors ---------------------------------------------------
+
+    def _on_host_access(self) -> None:
+        if any(feed.in_worker() for feed in self._feeds):
+            return
+        self.drain()
+
+    def drain(self) -> None:
+        """Waits for every queued shard, stops the loops, raises an error."""
+        drained = False
+        for feed in self.feeds():
+            if feed.running() or feed.in_flight():
+                feed.wait_idle(failed=lambda: self._error is not None)
+                feed.stop()
+                feed.mark_drained()
+                drained = True
+        self.raise_error()
+        if drained:
+            # Nothing in flight: a claim that never completed was abandoned
+            # (its step was interrupted by a lost worker).
+            self.store.settle_abandoned()
+            # Once per stretch of training: is momentum adding up past 1?
+            self.momentum_watch.check(self.store.statistics)
+
+    def drain_from_graph(self) -> None:
+        """A drain asked for by a step in a graph (evaluate, predict)."""
+        in_flight = self.in_flight()
+        if in_flight and not self.graph_may_wait:
+            raise RuntimeError(
+                f"A step that reads the whole model runs while {in_flight} "
+                "replica steps are still queued or running, and TensorFlow has a "
+                "single inter-op thread: waiting for them inside this step would "
+                "hold the thread they need. Call `strategy.drain()` before this "
+                "step, or give TensorFlow two or more inter-op threads "
+                "(`tf.config.threading.set_inter_op_parallelism_threads(2)` "
+                "before anything runs)."
+            )
+        self.drain()
+
+    def raise_error(self) -> None:
+        """Raises, once, the first error of a replica (after stopping all loops)."""
+        if self._error is None:
+            return
+        for feed in self.feeds():
+            feed.stop()  # The failure flag is still set: they drop what is left.
+            feed.resync()
+            feed.mark_drained()
+        # A failed step may have claimed a version without completing it.
+        if self.faults.ps_lost is None:
+            self.store.settle_abandoned()
+        with self._error_lock:
+            error, self._error = self._error, None
+        self.failed.assign(False)
+        if error is not None:
+            self.snapshots.stop()  # the fit fails: its callbacks read no more
+            raise error
+
+    def replica_failed(self, replica_id: int, error: BaseException) -> ReplicaState:
+        """A replica's loop raised (called from its thread): its next state.
+
+        A lost worker's replicas are LOST and the others go on; anything
+        fatal is kept to be raised, and the failure flag ends the input.
+        """
+        state, raised = self.faults.verdict(replica_id, error)
+        if state != "failed":
+            return ReplicaState(state)
+        with self._error_lock:
+            if self._error is None:
+                self._error = raised
+        self.failed.assign(True)
+        return ReplicaState.FAILED
+
+    def shutdown(self) -> None:
+        """Drops queued shards and stops every thread now."""
+        self.failed.assign(True)  # The loops drop what is still queued.
+        try:
+            self.faults.stop()
+            for feed in self.feeds():
+                feed.stop()
+                feed.mark_drained()
+        finally:
+            if self._error is None:
+                self.failed.assign(False)
+
+    # -- lost and hung replicas -------------------------------------------
+
+    def _rejoin(self, task: str, replica_ids: list[int], restarted: bool = True) -> None:
+        """A lost worker serves again (called from the rejoiner's thread), or
+        a hung one answers (`restarted` False; from its last call's thread)."""
+        if self.worker_input is not None and task:
+            self.worker_input.rebuild(task, restarted)
+        for feed in self.feeds():
+            feed.rejoin(replica_ids)
+        if not self.lost_tasks() - {task}:
+            # Every task serves (the rejoined one knows every function).
+            self._kept_functions.clear()
+
+    def group_of(self, replica_id: int) -> list[int]:
+        """The replicas that hang with one (`workers.HangHandler`)."""
+        return self.faults.group_of(replica_id)
+
+    def hung(self, replica_id: int, group, seconds: float) -> None:
+        self.faults.hung(replica_id, group, seconds)
+
+    def answered(self, group) -> None:
+        self.faults.answered(group)
+        task = faults.task_name(self.replica_devices[group[0]]) if self.faults.on_cluster else ""
+        self._rejoin(task, list(group), restarted=False)
+
+    def lost_tasks(self) -> set[str]:
+        """The worker tasks whose replicas are lost now."""
+        return {faults.task_name(self.replica_devices[r]) for r in self.faults.lost()}
+
+    def replica_states(self) -> list[faults.ReplicaReport]:
+        """Each replica's report, its state as its loops see it."""
+        running = {r: "running" for r in range(len(self.replica_devices))}
+        for feed in self.feeds():
+            for r, state in enumerate(feed.states()):
+                if state is not ReplicaState.RUNNING:
+                    running[r] = state.value
+        return [
+            report if report.state == "lost" else dataclasses.replace(report, state=running[r])
+            for r, report in enumerate(self.faults.reports())
+        ]
+
+    def threads(self) -> list[threading.Thread]:
+        """The loops' threads and the rejoiner's, alive now."""
+        loops = [t for feed in self.feeds() for t in feed.threads()]
+        return loops + self.faults.rejoiner.threads()
+
+    def seconds_held_back(self) -> list[float]:
+        """Per replica, the time `max_staleness` kept it waiting for others."""
+        waited = [0.0] * len(self.replica_devices)
+        for feed in self.feeds():
+            waited = [a + b for a, b in zip(waited, feed.seconds_waited())]
+        return waited
+
+    # -- input on the workers ---------------------------------------------
+
+    def read_input_on_workers(self) -> None:
+        """Datasets given to the strategy are built on each replica's worker
+        task (on a cluster), rather than on this host and sent through."""
+        self.worker_hosts = [host_cpu(d) for d in self.replica_devices]
+
+    def new_worker_input(self, **source) -> inputs.WorkerInput:
+        """A new input on the workers, which replaces the current one."""
+        lost = self.lost_tasks()
+        if not lost:
+            self._kept_functions.clear()
+        elif self.worker_input is not None:
+            self._kept_functions.extend(self.worker_input.functions())
+        self.worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
+        return self.worker_input
+
+    def worker_input_for(self, specs) -> inputs.WorkerInput | None:
+        """The input on the workers that a new feed reads, if any.
+
+        A feed given tokens of the latest distributed dataset reads its
+        shards on the workers; one given real batches (a custom loop's
+        tensors) gets them through the queue.
+        """
+        source = self.worker_input
+        if source is None:
+            return None
+        flat = tf.nest.flatten(source.element_spec)
+        same = len(flat) == len(specs) and all(
+            a.dtype == b.dtype and a.shape.rank == b.shape.rank for a, b in zip(flat, specs)
+        )
+        return source if same else None
