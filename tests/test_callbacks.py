@@ -185,7 +185,7 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_f
     )
     drains = []
     in_batch_hook = []
-    pool = strategy.extended
+    pool = strategy.extended.runtime
     original_drain = pool.drain
 
     def counting_drain(*args, **kwargs):

@@ -13,7 +13,7 @@ def small_ring_model(capacity):
     extended = strategy.extended
     # Before the first step is traced, so that Keras' graph writes this ring.
     extended.runtime.snapshots = CounterSnapshots(
-        extended.runtime.store, extended.client_host, capacity
+        extended.runtime.store, extended.runtime.client_host, capacity
     )
     with strategy.scope():
         model = mlp()
