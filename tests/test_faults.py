@@ -100,7 +100,7 @@ def test_shutdown_stops_threads_at_once():
 
 # -- classifying the runtime's errors (no cluster needed) ----------------------
 
-from tf_diffmap import faults  # noqa: E402
+from tf_diffmap.cluster import faults  # noqa: E402
 
 WORKER_LOST = (
     "Graph execution error:\n\nDetected at node while/body/_1 defined at (most recent call last):\n"

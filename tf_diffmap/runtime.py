@@ -19,7 +19,8 @@ from typing import Protocol
 
 import tensorflow as tf
 
-from tf_diffmap import faults, inputs
+from tf_diffmap import inputs
+from tf_diffmap.cluster import faults
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu
 from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.snapshots import CounterSnapshots

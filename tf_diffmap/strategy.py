@@ -36,7 +36,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, faults, inputs, outputs
+from tf_diffmap import _tf_internal, inputs, outputs
+from tf_diffmap.cluster import faults
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,

@@ -1,22 +1,8 @@
-"""Beyond one machine: the strategy on TensorFlow's own distributed runtime.
+"""Connecting to a cluster, and serving one of its worker or ps tasks.
 
-Replicas become devices of `/job:worker` tasks and the parameter store lives
-on `/job:ps` tasks, all reached through `tf.distribute.Server` and gRPC, as
-`ParameterServerStrategy` does. The client (`chief`) runs `model.fit`; its
-worker threads call each replica's step on its remote device.
-
-On every worker and parameter-server machine, start a server::
-
-    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' \\
-        python -m tf_diffmap.cluster
-
-and on the client, with the same cluster and task type `chief`::
-
-    strategy = tf_diffmap.cluster.strategy_for_cluster()
-
-A server runs until its process is stopped (Ctrl-C or SIGTERM). To try a
-cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`
-or `LocalCluster` (in `local_cluster.py`) start the worker and ps processes.
+`connect` waits for every task and connects this client (the chief);
+`strategy_for_cluster` makes the strategy over the workers and ps tasks;
+`serve` runs this machine's task, and `main` is `python -m tf_diffmap.cluster`.
 """
 
 from __future__ import annotations
@@ -30,10 +16,10 @@ import threading
 
 import tensorflow as tf
 
-from tf_diffmap import faults
-from tf_diffmap.local_cluster import LocalCluster, parse_local_spec, run_local
+from tf_diffmap.cluster import faults
+from tf_diffmap.cluster.local import parse_local_spec, run_local
 
-__all__ = ["connect", "strategy_for_cluster", "serve", "LocalCluster", "main"]
+__all__ = ["connect", "fail_fast", "strategy_for_cluster", "serve", "main"]
 
 CLIENT_JOBS = ("chief", "client", "evaluator")
 
@@ -78,7 +64,7 @@ def connect(
     Every worker and ps task must serve: a task that is down when the chief
     starts is waited for up to `connect_timeout` seconds, then named in the
     error (the runtime itself would wait for it silently, for ever). A worker
-    lost *after* the connection is tolerated (see `tf_diffmap.faults`).
+    lost *after* the connection is tolerated (see `tf_diffmap.cluster.faults`).
 
     Args:
         cluster_resolver: the cluster; by default read from `TF_CONFIG`. This
@@ -293,7 +279,3 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as error:
         print(f"python -m tf_diffmap.cluster --local: {error}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
