@@ -16,18 +16,18 @@ and on the client, with the same cluster and task type `chief`::
 
 A server runs until its process is stopped (Ctrl-C or SIGTERM). To try a
 cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`
-or `LocalCluster` (in `local.py`) start the worker and ps processes.
+or `LocalCluster` start the worker and ps processes.
+
+Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
+`server` (`serve`, and `main`, the command line), `local` (`LocalCluster`),
+`faults` (lost tasks and their replicas: `ClusterRecord`) and `inputs`
+(input built on the workers: `WorkerInput`). A strategy on one host
+imports none of them.
 """
 
-from tf_diffmap.cluster.connect import (
-    CONNECT_TIMEOUT,
-    connect,
-    fail_fast,
-    main,
-    serve,
-    strategy_for_cluster,
-)
+from tf_diffmap.cluster.connect import CONNECT_TIMEOUT, connect, fail_fast, strategy_for_cluster
 from tf_diffmap.cluster.local import LocalCluster, parse_local_spec, run_local
+from tf_diffmap.cluster.server import main, serve
 
 __all__ = [
     "CONNECT_TIMEOUT",
