@@ -301,8 +301,8 @@ def test_every_batch_has_its_point_with_steps_per_execution(tmp_path):
 
 def test_lost_replicas_are_marked_from_the_first_loss(tmp_path):
     # Replica 1's worker is "lost" during epoch 1 and back in epoch 2: the
-    # strategy's own record of it, as a cluster's fault handler keeps it.
-    from tf_diffmap.faults import ReplicaReport
+    # strategy's own record of it, as the replicas' record on a cluster keeps it.
+    from tf_diffmap.replicas import ReplicaReport
 
     x, y = classification_data(n=256)
     strategy, model = slowed_model(seconds=0.0)

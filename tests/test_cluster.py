@@ -18,7 +18,7 @@ import time
 import pytest
 
 from tf_diffmap import cluster
-from tf_diffmap.local_cluster import parse_local_spec
+from tf_diffmap.cluster import parse_local_spec
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -100,7 +100,8 @@ def test_shutdown_stops_threads_at_once():
 
 # -- classifying the runtime's errors (no cluster needed) ----------------------
 
-from tf_diffmap import faults  # noqa: E402
+from tf_diffmap import replicas  # noqa: E402
+from tf_diffmap.cluster import faults  # noqa: E402
 
 WORKER_LOST = (
     "Graph execution error:\n\nDetected at node while/body/_1 defined at (most recent call last):\n"
@@ -115,7 +116,7 @@ WORKER_LOST = (
 
 def test_an_error_naming_a_worker_and_the_ps_that_relayed_it_is_the_worker():
     error = tf.errors.UnavailableError(None, None, WORKER_LOST)
-    assert faults.named_tasks(error) == [
+    assert replicas.named_tasks(error) == [
         "/job:worker/replica:0/task:1",
         "/job:ps/replica:0/task:0",
     ]
@@ -163,7 +164,7 @@ def test_a_replica_error_is_restated_short_with_its_type_task_and_cause():
         "Tensor had NaN values\nAdditional GRPC error information from remote target "
         "/job:worker/replica:0/task:1 while calling RunComponentFunction",
     )
-    raised = faults.restated(original, 2, "/job:worker/replica:0/task:1/device:CPU:0")
+    raised = replicas.restated(original, 2, "/job:worker/replica:0/task:1/device:CPU:0")
     assert type(raised) is tf.errors.InvalidArgumentError
     assert str(raised) == (
         "bad input row : Tensor had NaN values (replica 2 on /job:worker/replica:0/task:1)"
@@ -171,7 +172,7 @@ def test_a_replica_error_is_restated_short_with_its_type_task_and_cause():
     assert raised.__cause__ is original
     # On one host, an error is raised exactly as the replica raised it.
     local = tf.errors.InvalidArgumentError(None, None, "bad input row")
-    assert faults.restated(local, 0, "/job:localhost/replica:0/task:0/device:CPU:0") is local
+    assert replicas.restated(local, 0, "/job:localhost/replica:0/task:0/device:CPU:0") is local
 
 
 def test_lost_ps_error_names_the_task_and_what_to_do():
@@ -291,7 +292,7 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
 
     strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
     strategy.extended.runtime.read_input_on_workers()
-    verdict = strategy.extended.runtime.faults.verdict
+    verdict = strategy.extended.runtime.record.verdict
     cut_off = []
 
     def cut_off_by_another_task(replica_id, error):
@@ -300,7 +301,7 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
             return "running", None
         return verdict(replica_id, error)
 
-    monkeypatch.setattr(strategy.extended.runtime.faults, "verdict", cut_off_by_another_task)
+    monkeypatch.setattr(strategy.extended.runtime.record, "verdict", cut_off_by_another_task)
     with strategy.scope():
         model = keras.Sequential(layers)
         compile_logits(model, "sgd")

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tf_diffmap.local_cluster import LocalCluster
+from tf_diffmap.cluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -21,7 +21,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 from tensorflow.python.trackable import base as trackable_base
 
-from tf_diffmap.devices import task_of
+from tf_diffmap.devices import task_parts as task_of
 
 TESTED_TENSORFLOW = ("2.21",)
 

@@ -21,6 +21,8 @@ __all__ = [
     "inter_op_threads",
     "compute_device",
     "resolve_devices",
+    "task_name",
+    "task_parts",
 ]
 
 _logger = logging.getLogger("tf_diffmap")
@@ -182,9 +184,20 @@ def compute_device(device: str) -> str:
     return device
 
 
-def task_of(device: str) -> tuple[str, int, int]:
-    """The (job, replica, task) that owns `device`; a device that names
-    none is this process's."""
+def task_name(device: str) -> str:
+    """The task that owns `device`, `/job:<job>/replica:<R>/task:<N>`.
+
+    A device that names no task is this process's (`/job:localhost/...`).
+    Two devices are of one task when their task names are equal.
+    """
+    job, replica, task = task_parts(device)
+    return f"/job:{job}/replica:{replica}/task:{task}"
+
+
+def task_parts(device: str) -> tuple[str, int, int]:
+    """The task that owns `device` in parts, `(job, replica, task)`, to
+    build a `tf.DeviceSpec` from; a device that names none is this
+    process's."""
     spec = tf.DeviceSpec.from_string(device)
     return spec.job or "localhost", spec.replica or 0, spec.task or 0
 

@@ -382,7 +382,7 @@ class StepFeed:
         drain); with `first`, one queued shard is applied before, in this
         thread (see `dispatch_in_graph`)."""
         self.follow_input()
-        self.runtime.faults.resume()
+        self.runtime.record.resume()
         self.loops.start(on_idle=self.stop_if_idle, first=first)
         return True
 
@@ -403,13 +403,13 @@ class StepFeed:
         """
         if not bool(self._stop_if_settled(tf.constant(self.loops.excused(), tf.int64))):
             return False
-        self.runtime.faults.pause()
+        self.runtime.record.pause()
         return True
 
     def mark_drained(self) -> None:
         """Nothing in flight: the next step is a first step again."""
         self.started.assign(False)
-        self.runtime.faults.pause()
+        self.runtime.record.pause()
 
     def running(self) -> bool:
         return self.loops.running()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.devices import task_of
+from tf_diffmap.devices import task_name
 
 __all__ = [
     "MIN_SHARD_BYTES",
@@ -107,7 +107,7 @@ def resolve_partitioner(partitioner, parameter_devices: Sequence[str]) -> Partit
             a shape and a dtype.
     """
     if isinstance(partitioner, str) and partitioner == "auto":
-        tasks = {task_of(d) for d in parameter_devices}
+        tasks = {task_name(d) for d in parameter_devices}
         return RowPartitioner() if len(tasks) > 1 else None
     if partitioner is None:
         return None

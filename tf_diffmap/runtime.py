@@ -2,12 +2,15 @@
 
 `Runtime` holds what the strategy's `tf.distribute` hooks (`strategy.py`) and
 the step feeds (`feed.py`) both use: the parameter store, the failure flag and
-the first replica error waiting to be raised, the replicas' fault record, the
+the first replica error waiting to be raised, the replicas' record, the
 input built on the workers, and the feeds of the training steps traced so far.
 It drains them (waits for every queued shard), raises a replica's error once,
 and brings lost replicas back. It imports neither the strategy nor the feeds:
 a feed registers itself here (`add_feed`), and the runtime sees it through the
-`Feed` protocol.
+`Feed` protocol. On one host it imports nothing of `tf_diffmap.cluster`: the
+cluster's record of lost tasks (`cluster.faults.ClusterRecord`) and its input
+on the workers (`cluster.inputs.WorkerInput`) are imported where a cluster
+needs them.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
 
-from tf_diffmap import faults, inputs
-from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu
+from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.momentum import MomentumWatch
+from tf_diffmap.replicas import ReplicaRecord, ReplicaReport
 from tf_diffmap.snapshots import CounterSnapshots
 from tf_diffmap.store import ParameterStore
 from tf_diffmap.workers import ReplicaState
+
+if TYPE_CHECKING:
+    from tf_diffmap.cluster.inputs import WorkerInput
 
 __all__ = ["Feed", "Runtime"]
 
@@ -92,7 +98,7 @@ class Runtime:
         # On a cluster: per replica, the CPU of its worker task, where its
         # input is built (`read_input_on_workers`).
         self.worker_hosts: list[str] | None = None
-        self.worker_input: inputs.WorkerInput | None = None
+        self.worker_input: WorkerInput | None = None
         # The functions of inputs replaced while a worker was lost, held
         # until no worker is: dropped, each would be removed from every
         # remote task, the lost one included (a "Failed to remove function
@@ -112,9 +118,20 @@ class Runtime:
         # threads while it waits; the workers' steps need another.
         self.graph_may_wait = inter_op_threads() >= 2
         self.momentum_watch = MomentumWatch(check_every=1)
-        # Lost tasks: what a replica's error means, the replicas' record,
-        # and the thread that brings a lost worker back.
-        self.faults = faults.FaultHandler(self.replica_devices, on_back=self._rejoin)
+        # What a replica's error means, and the replicas' record; on a
+        # cluster also lost tasks, and the thread that brings a lost worker
+        # back.
+        self.record = self._new_record()
+
+    def _new_record(self) -> ReplicaRecord:
+        """The replicas' record: a cluster's when a replica is on a task of
+        one (`/job:...`), else one host's, and the cluster's modules are not
+        imported."""
+        if not any(d.startswith("/job:") for d in self.replica_devices):
+            return ReplicaRecord(self.replica_devices)
+        from tf_diffmap.cluster.faults import ClusterRecord
+
+        return ClusterRecord(self.replica_devices, on_back=self._rejoin)
 
     # -- the feeds ---------------------------------------------------------
 
@@ -181,7 +198,7 @@ class Runtime:
             feed.resync()
             feed.mark_drained()
         # A failed step may have claimed a version without completing it.
-        if self.faults.ps_lost is None:
+        if not self.record.store_lost():
             self.store.settle_abandoned()
         with self._error_lock:
             error, self._error = self._error, None
@@ -196,7 +213,7 @@ class Runtime:
         A lost worker's replicas are LOST and the others go on; anything
         fatal is kept to be raised, and the failure flag ends the input.
         """
-        state, raised = self.faults.verdict(replica_id, error)
+        state, raised = self.record.verdict(replica_id, error)
         if state != "failed":
             return ReplicaState(state)
         with self._error_lock:
@@ -209,7 +226,7 @@ class Runtime:
         """Drops queued shards and stops every thread now."""
         self.failed.assign(True)  # The loops drop what is still queued.
         try:
-            self.faults.stop()
+            self.record.stop()
             for feed in self.feeds():
                 feed.stop()
                 feed.mark_drained()
@@ -232,21 +249,20 @@ class Runtime:
 
     def group_of(self, replica_id: int) -> list[int]:
         """The replicas that hang with one (`workers.HangHandler`)."""
-        return self.faults.group_of(replica_id)
+        return self.record.group_of(replica_id)
 
     def hung(self, replica_id: int, group, seconds: float) -> None:
-        self.faults.hung(replica_id, group, seconds)
+        self.record.hung(replica_id, group, seconds)
 
     def answered(self, group) -> None:
-        self.faults.answered(group)
-        task = faults.task_name(self.replica_devices[group[0]]) if self.faults.on_cluster else ""
-        self._rejoin(task, list(group), restarted=False)
+        self.record.answered(group)
+        self._rejoin(task_name(self.replica_devices[group[0]]), list(group), restarted=False)
 
     def lost_tasks(self) -> set[str]:
-        """The worker tasks whose replicas are lost now."""
-        return {faults.task_name(self.replica_devices[r]) for r in self.faults.lost()}
+        """The tasks whose replicas are lost now."""
+        return {task_name(self.replica_devices[r]) for r in self.record.lost()}
 
-    def replica_states(self) -> list[faults.ReplicaReport]:
+    def replica_states(self) -> list[ReplicaReport]:
         """Each replica's report, its state as its loops see it."""
         running = {r: "running" for r in range(len(self.replica_devices))}
         for feed in self.feeds():
@@ -255,13 +271,13 @@ class Runtime:
                     running[r] = state.value
         return [
             report if report.state == "lost" else dataclasses.replace(report, state=running[r])
-            for r, report in enumerate(self.faults.reports())
+            for r, report in enumerate(self.record.reports())
         ]
 
     def threads(self) -> list[threading.Thread]:
-        """The loops' threads and the rejoiner's, alive now."""
+        """The loops' threads and the record's (the rejoiner's), alive now."""
         loops = [t for feed in self.feeds() for t in feed.threads()]
-        return loops + self.faults.rejoiner.threads()
+        return loops + self.record.threads()
 
     def seconds_held_back(self) -> list[float]:
         """Per replica, the time `max_staleness` kept it waiting for others."""
@@ -277,17 +293,19 @@ class Runtime:
         task (on a cluster), rather than on this host and sent through."""
         self.worker_hosts = [host_cpu(d) for d in self.replica_devices]
 
-    def new_worker_input(self, **source) -> inputs.WorkerInput:
+    def new_worker_input(self, **source) -> WorkerInput:
         """A new input on the workers, which replaces the current one."""
+        from tf_diffmap.cluster.inputs import WorkerInput
+
         lost = self.lost_tasks()
         if not lost:
             self._kept_functions.clear()
         elif self.worker_input is not None:
             self._kept_functions.extend(self.worker_input.functions())
-        self.worker_input = inputs.WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
+        self.worker_input = WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
         return self.worker_input
 
-    def worker_input_for(self, specs) -> inputs.WorkerInput | None:
+    def worker_input_for(self, specs) -> WorkerInput | None:
         """The input on the workers that a new feed reads, if any.
 
         A feed given tokens of the latest distributed dataset reads its

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_diffmap.devices import task_of
+from tf_diffmap.devices import task_name
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.store import counters_as_stats
 
@@ -103,7 +103,7 @@ class CounterSnapshots:
         # error).
         # There Keras' graph only counts its steps, and `read` takes one
         # snapshot from Python when asked.
-        self.in_graph = task_of(store.host) == task_of(client_host)
+        self.in_graph = task_name(store.host) == task_name(client_host)
         self._host = store.host
         self._gather = None
         with tf.init_scope():

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.devices import host_cpu, task_of
+from tf_diffmap.devices import host_cpu, task_name
 from tf_diffmap.partitioned import PartitionedVariable, RowSplit, shards_for
 from tf_diffmap.staleness import StalenessStats
 
@@ -57,7 +57,7 @@ def _read(variable: tf.Variable) -> np.ndarray:
 
 def _device_identity(name: str) -> tuple:
     spec = tf.DeviceSpec.from_string(name)
-    return (*task_of(name), spec.device_type, spec.device_index)
+    return (task_name(name), spec.device_type, spec.device_index)
 
 
 def counters_as_stats(

@@ -36,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, faults, inputs, outputs
+from tf_diffmap import _tf_internal, inputs, outputs
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
@@ -47,6 +47,7 @@ from tf_diffmap.feed import StepFeed
 from tf_diffmap.optimizer import optimizer_chain
 from tf_diffmap.partitioned import resolve_partitioner
 from tf_diffmap.replica_step import ReplicaStep, run_eagerly, signature_of
+from tf_diffmap.replicas import WORKER_TIMEOUT, ReplicaReport
 from tf_diffmap.runtime import Runtime
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import current_step
@@ -418,7 +419,7 @@ class Strategy(_tf_internal.StrategyBase):
         queue_size: int | None = None,
         steps_per_loop: int = 32,
         colocate_cpu_replicas: bool = True,
-        worker_timeout: float | None = faults.WORKER_TIMEOUT,
+        worker_timeout: float | None = WORKER_TIMEOUT,
         variable_partitioner="auto",
     ):
         _tf_internal.check_compatibility()
@@ -529,7 +530,7 @@ class Strategy(_tf_internal.StrategyBase):
         """Per-replica updates, staleness and histogram (a snapshot)."""
         return self._runtime.store.statistics()
 
-    def replica_states(self) -> list[faults.ReplicaReport]:
+    def replica_states(self) -> list[ReplicaReport]:
         """Each replica's state, and when and why it was last lost (a snapshot).
 
         On a cluster a replica whose worker task is unreachable is "lost"

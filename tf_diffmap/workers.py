@@ -13,7 +13,7 @@ enum's docstring and made in one place (`ReplicaLoops._move`). A FAILED
 replica runs the runner's *drop loop* instead of its own (which may need a
 task that is gone): it takes what is queued and counts it dropped, so that
 nothing that feeds the queue ever blocks on a failed replica. A LOST replica
-(its worker task is unreachable, see `tf_diffmap.faults`) has no thread
+(its worker task is unreachable, see `tf_diffmap.cluster.faults`) has no thread
 until `rejoin` starts one. Under `max_staleness` the thread asks for one
 shard at a time and only while its replica is within the bound of the
 slowest replica that is not lost.

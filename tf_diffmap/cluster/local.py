@@ -359,7 +359,7 @@ class LocalCluster:
         if task.job == "worker" and self._cpus_per_worker > 1:
             command += ["--logical-cpus", str(self._cpus_per_worker)]
         # The servers import the same tf_diffmap as this process.
-        package_root = str(Path(__file__).resolve().parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         env = {
             **os.environ,

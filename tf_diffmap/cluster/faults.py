@@ -23,21 +23,25 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
   RUNNING).
 - a **hung worker** (its calls neither fail nor return, `worker_timeout`;
   detected by `workers.ReplicaLoops`): its replicas are LOST, with a
-  warning (`FaultHandler.hung`), until its calls answer, when they rejoin
-  (`FaultHandler.answered`); a hung worker that dies is lost as above.
+  warning (`ReplicaRecord.hung`, which one host shares), until its calls
+  answer, when they rejoin (`ReplicaRecord.answered`); a hung worker that
+  dies is lost as above.
 - **every replica lost**, and a **lost ps**: fatal. The loops stop, the input
   ends and the error is raised as `tf.errors.UnavailableError` naming the
   task(s), with the runtime's error as its `runtime_error` (and `__cause__`).
 - any other error of a replica: raised as its own type; on a cluster its
   message is shortened to its first line and the task, with the runtime's
-  error as its `runtime_error` (and `__cause__`, which `fit` clears).
+  error as its `runtime_error` (and `__cause__`, which `fit` clears)
+  (`tf_diffmap.replicas.restated`).
+
+`ClusterRecord` is the replicas' record of a cluster: `replicas.ReplicaRecord`
+with the verdicts above and the rejoiner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,34 +49,29 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.devices import task_name
+from tf_diffmap.replicas import ReplicaRecord, named_tasks, short_message, with_cause
 
 __all__ = [
+    "ClusterRecord",
     "Fault",
-    "FaultHandler",
-    "ReplicaReport",
     "Rejoiner",
     "classify",
-    "named_tasks",
-    "task_name",
-    "restated",
     "lost_ps_error",
     "lost_replicas_error",
     "unreachable",
+    "wait_for_tasks",
 ]
 
 logger = logging.getLogger("tf_diffmap")
 
 # How often the rejoiner looks again at a lost worker.
 PROBE_SECONDS = 1.0
-# Seconds a replica may hold one shard while the others wait for it before
-# its worker counts as hung (`Strategy(worker_timeout=...)`).
-WORKER_TIMEOUT = 60.0
 # A replica whose calls fail this often within RETRY_WINDOW seconds because
 # of another task is failed, not retried again.
 RETRIES = 5
 RETRY_WINDOW = 10.0
 
-_TASK = re.compile(r"/job:(worker|ps|chief)/replica:0/task:(\d+)")
 # Words of the runtime's messages when a peer is gone.
 _CONNECTION_WORDS = (
     "socket closed",
@@ -98,34 +97,6 @@ class Fault:
 
     job: str
     task: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaReport:
-    """One replica's state, as `Strategy.replica_states()` reports it.
-
-    Attributes:
-        replica: the replica id.
-        device: the replica's device.
-        state: "running", "stopped", "failed", "lost" or "rejoining".
-        since: wall-clock time (`time.time()`) of the last change of state
-            caused by a fault, or None.
-        error: the error that made it lost, or None.
-        lost: how many times this replica was lost.
-    """
-
-    replica: int
-    device: str
-    state: str
-    since: float | None = None
-    error: BaseException | None = None
-    lost: int = 0
-
-
-def named_tasks(error: BaseException) -> list[str]:
-    """The tasks an error's message names, in order of first mention."""
-    found = [f"/job:{job}/replica:0/task:{index}" for job, index in _TASK.findall(str(error))]
-    return list(dict.fromkeys(found))
 
 
 def unreachable(error: BaseException) -> bool:
@@ -183,28 +154,6 @@ def classify(error: BaseException, answers: Callable[[str], bool] = task_answers
     return Fault("worker", workers[0]) if workers else None
 
 
-def short_message(error: BaseException) -> str:
-    """The first line that says what went wrong, without the runtime's trail."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for line in lines:
-        root = re.match(r"\(\d+\)\s+[A-Z_]+:\s*(.*)", line)
-        if root and root.group(1):
-            return root.group(1)
-    for line in lines:
-        if not line.startswith(("Graph execution error", "Detected at node", "<stack traces")):
-            return re.sub(r"\s*\[Op:[^\]]*\]", "", line)
-    return type(error).__name__
-
-
-def _with_cause(new: BaseException, cause: BaseException) -> BaseException:
-    # Keras' and TensorFlow's traceback filtering re-raise what `fit` raises
-    # `from None`, which clears `__cause__`; an attribute of the error itself
-    # survives that, so the runtime's details stay reachable.
-    new.__cause__ = cause
-    new.runtime_error = cause
-    return new
-
-
 def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableError:
     """The error raised for a lost ps task: what was lost and what to do."""
     message = (
@@ -214,7 +163,7 @@ def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableEr
         "callbacks, run the same fit again; otherwise load the last checkpoint "
         "(model.load_weights or tf.train.Checkpoint) and fit again."
     )
-    return _with_cause(tf.errors.UnavailableError(None, None, message), error)
+    return with_cause(tf.errors.UnavailableError(None, None, message), error)
 
 
 def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors.UnavailableError:
@@ -225,25 +174,7 @@ def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors
         "the worker tasks and run fit again (keras.callbacks.BackupAndRestore "
         "resumes at the epoch it stopped in)."
     )
-    return _with_cause(tf.errors.UnavailableError(None, None, message), error)
-
-
-def restated(error: BaseException, replica: int, device: str) -> BaseException:
-    """A replica's own error, as raised: its type, short, naming its task.
-
-    An error of TensorFlow's runtime that names a remote task comes back as
-    the same type with its first line, the replica and its task; the
-    runtime's full error is the cause. Other errors are returned as they are.
-    """
-    if not isinstance(error, tf.errors.OpError) or not named_tasks(error):
-        return error
-    task = device.split("/device:")[0]
-    message = f"{short_message(error)} (replica {replica} on {task})"
-    try:
-        new = type(error)(error.node_def, error.op, message)
-    except TypeError:
-        return error
-    return _with_cause(new, error)
+    return with_cause(tf.errors.UnavailableError(None, None, message), error)
 
 
 class Rejoiner:
@@ -367,17 +298,11 @@ def wait_for_tasks(addresses: dict[str, str], timeout: float) -> None:
         )
 
 
-def task_name(device: str) -> str:
-    """The task a device belongs to, `/job:<job>/replica:0/task:<N>`."""
-    return device.split("/device:")[0]
+class ClusterRecord(ReplicaRecord):
+    """The replicas' record on a cluster: lost tasks, and workers that rejoin.
 
-
-class FaultHandler:
-    """Decides what a replica's error means, and keeps the replicas' record.
-
-    The one place that reads errors of the replicas' loops: each error
-    becomes a verdict, the replica's next state (`workers.ReplicaState`
-    values, by name, so that this room does not depend on the loops):
+    Each error of a replica's loop becomes a verdict, the replica's next
+    state:
 
     - "lost": the replica's own worker task is unreachable;
     - "running": another task was unreachable during its call (a call
@@ -385,6 +310,8 @@ class FaultHandler:
       goes on, what it held goes back on the queue;
     - "failed": fatal, with the error to raise (a lost ps, every replica
       lost, or the replica's own error, restated).
+
+    A hung replica is lost with every replica of its worker task.
 
     Args:
         replica_devices: the device of each replica.
@@ -398,15 +325,9 @@ class FaultHandler:
         replica_devices: Sequence[str],
         on_back: Callable[[str, list[int]], None],
     ):
-        self.replica_devices = list(replica_devices)
-        self.on_cluster = any(d.startswith("/job:") for d in self.replica_devices)
+        super().__init__(replica_devices)
         self._on_back = on_back
-        self._lock = threading.Lock()
-        self._reports = [
-            ReplicaReport(replica=r, device=d, state="running")
-            for r, d in enumerate(self.replica_devices)
-        ]
-        self._lost: set[int] = set()
+        self._faults_lock = threading.Lock()
         self._retries: dict[int, list[float]] = {}
         self.ps_lost: Fault | None = None
         self.rejoiner = Rejoiner(
@@ -414,41 +335,33 @@ class FaultHandler:
         )
 
     def replicas_of(self, task: str) -> list[int]:
+        """The replicas on a task."""
         return [r for r, d in enumerate(self.replica_devices) if task_name(d) == task]
 
     def verdict(self, replica_id: int, error: BaseException) -> tuple[str, BaseException | None]:
         """What a replica's error means: (next state, error to raise or None)."""
         device = self.replica_devices[replica_id]
-        fault = classify(error) if self.on_cluster else None
+        fault = classify(error)
         if fault is None:
-            return "failed", restated(error, replica_id, device)
+            return super().verdict(replica_id, error)
         if fault.job == "ps":
-            with self._lock:
+            with self._faults_lock:
                 self.ps_lost = self.ps_lost or fault
             self.rejoiner.stop(timeout=0)
             return "failed", lost_ps_error(fault, error)
         if fault.task != task_name(device):
             now = time.monotonic()
-            with self._lock:
+            with self._faults_lock:
                 recent = [t for t in self._retries.get(replica_id, []) if now - t < RETRY_WINDOW]
                 self._retries[replica_id] = [*recent, now]
             if len(recent) < RETRIES:
                 return "running", None
-            return "failed", restated(error, replica_id, device)
+            return super().verdict(replica_id, error)
         lost = self.replicas_of(fault.task)
-        with self._lock:
-            first = not self._lost.issuperset(lost)
-            self._lost.update(lost)
-            for r in lost:
-                report = self._reports[r]
-                if report.state != "lost":
-                    self._reports[r] = dataclasses.replace(
-                        report, state="lost", since=time.time(), error=error, lost=report.lost + 1
-                    )
-            everything = len(self._lost) == len(self.replica_devices)
-            tasks = sorted({task_name(self.replica_devices[r]) for r in self._lost})
-        if everything:
+        first, now_lost = self._mark_lost(lost, error=error, again=False)
+        if len(now_lost) == len(self.replica_devices):
             self.rejoiner.stop(timeout=0)
+            tasks = sorted({task_name(self.replica_devices[r]) for r in now_lost})
             return "failed", lost_replicas_error(tasks, error)
         if first:
             logger.warning(
@@ -461,68 +374,17 @@ class FaultHandler:
         self.rejoiner.watch(fault.task)
         return "lost", None
 
+    def store_lost(self) -> bool:
+        """Whether a ps task, and the variables on it, are lost."""
+        return self.ps_lost is not None
+
     def group_of(self, replica_id: int) -> list[int]:
-        """The replicas that hang with one: its worker task's on a cluster."""
-        if not self.on_cluster:
-            return [replica_id]
+        """The replicas that hang with one: its worker task's."""
         return self.replicas_of(task_name(self.replica_devices[replica_id]))
 
-    def hung(self, replica_id: int, group: Sequence[int], seconds: float) -> None:
-        """A replica's call did not answer for `seconds` while the others
-        waited (it held a shard, or did not take its STOP): its group is lost
-        until it answers (one warning)."""
-        with self._lock:
-            self._lost.update(group)
-            for r in group:
-                report = self._reports[r]
-                self._reports[r] = dataclasses.replace(
-                    report, state="lost", since=time.time(), lost=report.lost + 1
-                )
-        device = self.replica_devices[replica_id]
-        where = (
-            f"worker {task_name(device)}" if self.on_cluster else f"replica {replica_id} ({device})"
-        )
-        logger.warning(
-            "%s did not answer for %.0f s (worker_timeout) while the others waited "
-            "for it; its replicas %s are treated as lost and training goes on with "
-            "the others. They rejoin when it answers.",
-            where,
-            seconds,
-            list(group),
-        )
-
-    def answered(self, group: Sequence[int]) -> None:
-        """Every hung call of a group answered: its replicas are back."""
-        with self._lock:
-            self._lost.difference_update(group)
-            for r in group:
-                self._reports[r] = dataclasses.replace(
-                    self._reports[r], state="running", since=time.time()
-                )
-        if self.on_cluster:
-            tasks = ", ".join(sorted({task_name(self.replica_devices[r]) for r in group}))
-            logger.warning("worker %s answers again; its replicas %s rejoined.", tasks, list(group))
-        else:
-            logger.warning("replica %s answers again and rejoined.", ", ".join(map(str, group)))
-
-    def _back(self, task: str) -> None:
-        replicas = self.replicas_of(task)
-        self._on_back(task, replicas)
-        with self._lock:
-            self._lost.difference_update(replicas)
-            for r in replicas:
-                self._reports[r] = dataclasses.replace(
-                    self._reports[r], state="running", since=time.time()
-                )
-        logger.warning("worker %s serves again; replicas %s rejoined.", task, replicas)
-
-    def lost(self) -> set[int]:
-        with self._lock:
-            return set(self._lost)
-
-    def reports(self) -> list[ReplicaReport]:
-        with self._lock:
-            return list(self._reports)
+    def threads(self) -> list[threading.Thread]:
+        """The rejoiner's thread, while it is alive."""
+        return self.rejoiner.threads()
 
     def pause(self) -> None:
         """No probing while nothing trains (the lost workers stay lost)."""
@@ -535,3 +397,16 @@ class FaultHandler:
 
     def stop(self) -> None:
         self.rejoiner.stop()
+
+    def _hung_where(self, replica_id: int) -> str:
+        return f"worker {task_name(self.replica_devices[replica_id])}"
+
+    def _log_answered(self, group: Sequence[int]) -> None:
+        tasks = ", ".join(sorted({task_name(self.replica_devices[r]) for r in group}))
+        logger.warning("worker %s answers again; its replicas %s rejoined.", tasks, list(group))
+
+    def _back(self, task: str) -> None:
+        replicas = self.replicas_of(task)
+        self._on_back(task, replicas)
+        self._mark_running(replicas)
+        logger.warning("worker %s serves again; replicas %s rejoined.", task, replicas)

@@ -1,0 +1,42 @@
+"""Beyond one machine: the strategy on TensorFlow's own distributed runtime.
+
+Replicas become devices of `/job:worker` tasks and the parameter store lives
+on `/job:ps` tasks, all reached through `tf.distribute.Server` and gRPC, as
+`ParameterServerStrategy` does. The client (`chief`) runs `model.fit`; its
+worker threads call each replica's step on its remote device.
+
+On every worker and parameter-server machine, start a server::
+
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' \\
+        python -m tf_diffmap.cluster
+
+and on the client, with the same cluster and task type `chief`::
+
+    strategy = tf_diffmap.cluster.strategy_for_cluster()
+
+A server runs until its process is stopped (Ctrl-C or SIGTERM). To try a
+cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`
+or `LocalCluster` start the worker and ps processes.
+
+Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
+`server` (`serve`, and `main`, the command line), `local` (`LocalCluster`),
+`faults` (lost tasks and their replicas: `ClusterRecord`) and `inputs`
+(input built on the workers: `WorkerInput`). A strategy on one host
+imports none of them.
+"""
+
+from tf_diffmap.cluster.connect import CONNECT_TIMEOUT, connect, fail_fast, strategy_for_cluster
+from tf_diffmap.cluster.local import LocalCluster, parse_local_spec, run_local
+from tf_diffmap.cluster.server import main, serve
+
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "LocalCluster",
+    "connect",
+    "fail_fast",
+    "main",
+    "parse_local_spec",
+    "run_local",
+    "serve",
+    "strategy_for_cluster",
+]

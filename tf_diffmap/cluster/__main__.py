@@ -1,0 +1,7 @@
+"""`python -m tf_diffmap.cluster`: serve one task, or try a cluster locally."""
+
+import sys
+
+from tf_diffmap.cluster.server import main
+
+sys.exit(main())

@@ -1,0 +1,155 @@
+"""The client's side of a cluster: connecting to it, the strategy over it.
+
+`connect` waits for every worker and ps task and connects this process (the
+chief) to them; `strategy_for_cluster` makes the strategy over the workers,
+its store on the ps tasks. The tasks themselves run `server.serve`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+
+from tf_diffmap.cluster.faults import wait_for_tasks
+
+__all__ = ["CONNECT_TIMEOUT", "connect", "fail_fast", "resolve_cluster", "strategy_for_cluster"]
+
+CLIENT_JOBS = ("chief", "client", "evaluator")
+
+# How long `connect` waits for every worker and ps task to serve.
+CONNECT_TIMEOUT = 60.0
+
+
+def fail_fast() -> None:
+    """Makes the runtime's RPCs to a lost task fail at once instead of waiting.
+
+    `GRPC_FAIL_FAST=use_caller` (TensorFlow's RFC 355, what
+    `ParameterServerStrategy` relies on) fails a function call on a task that
+    is down with `UnavailableError` at once, instead of waiting for it to come
+    back; one outstanding RPC per task keeps the runtime's failure handling
+    simple, and `context.async_wait` (which Keras calls at the end of every
+    epoch) must not send an RPC to every task, a lost one included: as
+    `ParameterServerStrategy` sets them. A value the user set is kept.
+    """
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
+    os.environ.setdefault("TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY", "True")
+
+
+def resolve_cluster(cluster_resolver=None):
+    """The cluster given, else the one `TF_CONFIG` describes.
+
+    Raises:
+        ValueError: none given and no `TF_CONFIG`.
+    """
+    if cluster_resolver is not None:
+        return cluster_resolver
+    if not os.environ.get("TF_CONFIG"):
+        raise ValueError(
+            "No cluster given: pass a tf.distribute.cluster_resolver.ClusterResolver, "
+            "or set TF_CONFIG to the cluster and this process's task "
+            '(for example {"cluster": {"worker": [...], "ps": [...], "chief": [...]}, '
+            '"task": {"type": "chief", "index": 0}}).'
+        )
+    return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+
+def connect(
+    cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT
+) -> tuple[list[str], list[str]]:
+    """Connects this client to the cluster; returns its worker and ps devices.
+
+    Every worker and ps task must serve: a task that is down when the chief
+    starts is waited for up to `connect_timeout` seconds, then named in the
+    error (the runtime itself would wait for it silently, for ever). A worker
+    lost *after* the connection is tolerated (see `tf_diffmap.cluster.faults`).
+
+    Args:
+        cluster_resolver: the cluster; by default read from `TF_CONFIG`. This
+            process's task type must be a client job (`chief`).
+        connect_timeout: seconds to wait for every task to serve.
+
+    Returns:
+        `(replica_devices, parameter_devices)`: every GPU of each worker task
+        (its CPU devices where it has none: one, or as many as it was started
+        with by `--logical-cpus`), and the CPU of each `ps` task.
+
+    Raises:
+        ValueError: no cluster, a cluster without `worker` or `ps` tasks, or a
+            task type that is not a client job.
+        tf.errors.UnavailableError: tasks that did not serve within
+            `connect_timeout`, named with their addresses.
+    """
+    resolver = resolve_cluster(cluster_resolver)
+    spec = resolver.cluster_spec().as_dict()
+    for job in ("worker", "ps"):
+        if not spec.get(job):
+            raise ValueError(
+                f"The cluster has no '{job}' tasks (jobs: {sorted(spec)}); "
+                "tf_diffmap needs workers for the replicas and ps tasks for the store."
+            )
+    task_type = resolver.task_type
+    if task_type not in CLIENT_JOBS:
+        raise ValueError(
+            f"This process is task type {task_type!r}; the process that trains "
+            f"must be one of {CLIENT_JOBS}. Start workers and ps tasks with "
+            "`python -m tf_diffmap.cluster` instead."
+        )
+    indices = lambda tasks: tasks if isinstance(tasks, dict) else range(len(tasks))  # noqa: E731
+    wait_for_tasks(
+        {
+            f"/job:{job}/replica:0/task:{i}": spec[job][i]
+            for job in ("worker", "ps")
+            for i in indices(spec[job])
+        },
+        connect_timeout,
+    )
+    fail_fast()
+    tf.config.experimental_connect_to_cluster(
+        resolver, job_name=task_type, make_master_device_default=False
+    )
+    devices = [d.name for d in tf.config.list_logical_devices()]
+
+    def task_devices(job: str, index: int, kinds: tuple[str, ...], every: bool) -> list[str]:
+        prefix = f"/job:{job}/replica:0/task:{index}/device:"
+        for kind in kinds:
+            found = [d for d in devices if d.startswith(prefix + kind + ":")]
+            if found:
+                return found if every else found[:1]
+        raise ValueError(f"Task /job:{job}/task:{index} shows no {kinds} device.")
+
+    workers = spec["worker"]
+    ps = spec["ps"]
+    replicas = [
+        d for i in indices(workers) for d in task_devices("worker", i, ("GPU", "CPU"), True)
+    ]
+    store = [d for i in indices(ps) for d in task_devices("ps", i, ("CPU",), False)]
+    return replicas, store
+
+
+def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT, **kwargs):
+    """A `tf_diffmap.Strategy` over the cluster's workers, its store on the ps tasks.
+
+    Args:
+        cluster_resolver: the cluster; by default read from `TF_CONFIG`.
+        connect_timeout: seconds to wait for every worker and ps task to
+            serve before raising `tf.errors.UnavailableError` naming them.
+        **kwargs: other `Strategy` options (`replicas_per_device`,
+            `max_staleness`, `queue_size`, `variable_partitioner`).
+
+    Returns:
+        The strategy; variables are sharded over the ps tasks, and with
+        several ps tasks a large one (an embedding table) is split by rows
+        over them (`Strategy(variable_partitioner=...)`).
+    """
+    # Imported here: the engine imports this package (its faults and inputs)
+    # when it trains on a cluster, and the package does not import the engine
+    # as it loads.
+    from tf_diffmap.strategy import Strategy
+
+    replicas, store = connect(cluster_resolver, connect_timeout)
+    strategy = Strategy(devices=replicas, parameter_device=store, **kwargs)
+    # Datasets given to the strategy are built on the workers themselves.
+    strategy.extended.runtime.read_input_on_workers()
+    return strategy

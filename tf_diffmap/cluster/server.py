@@ -1,0 +1,151 @@
+"""The tasks' side of a cluster: serving a worker or ps task, the command line.
+
+`serve` runs this machine's worker or ps server from its TF_CONFIG until the
+process is stopped; `main` is `python -m tf_diffmap.cluster`, which serves
+one task, or with `--local` starts every worker and ps task on this machine
+(`local.run_local`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+import tensorflow as tf
+
+from tf_diffmap.cluster.connect import fail_fast, resolve_cluster
+from tf_diffmap.cluster.local import parse_local_spec, run_local
+
+__all__ = ["main", "serve"]
+
+
+def serve(
+    config: str | None = None,
+    logical_cpus: int = 1,
+    exit_when_stdin_closes: bool = False,
+) -> None:
+    """Runs this machine's worker or ps server until the process is stopped.
+
+    Ctrl-C (SIGINT) and SIGTERM stop it.
+
+    Args:
+        config: a TF_CONFIG JSON string; by default the `TF_CONFIG` variable.
+        logical_cpus: logical CPU devices to make of the CPU before serving, so
+            that a worker task without GPUs holds that many replicas.
+        exit_when_stdin_closes: exit once standard input reaches its end, so
+            that a server started through a pipe (as `LocalCluster` does) does
+            not outlive the process that started it.
+
+    Raises:
+        ValueError: no TF_CONFIG, a task type other than worker or ps, or
+            `logical_cpus` below 1.
+    """
+    if not isinstance(logical_cpus, int) or logical_cpus < 1:
+        raise ValueError(f"logical_cpus must be an integer >= 1, received {logical_cpus!r}.")
+    if config is not None:
+        os.environ["TF_CONFIG"] = config
+    resolver = resolve_cluster()
+    if resolver.task_type not in ("worker", "ps"):
+        raise ValueError(
+            f"`python -m tf_diffmap.cluster` serves worker and ps tasks; TF_CONFIG "
+            f"names task type {resolver.task_type!r}."
+        )
+    # The server makes its devices from its own session config, not from
+    # tf.config's logical device configuration.
+    fail_fast()
+    session_config = None
+    if logical_cpus > 1:
+        session_config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus})
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        config=session_config,
+        start=True,
+    )
+    if exit_when_stdin_closes:
+        threading.Thread(target=_exit_at_end_of_stdin, daemon=True).start()
+    print(
+        json.dumps(
+            {"serving": resolver.task_type, "index": resolver.task_id, "target": server.target}
+        ),
+        flush=True,
+    )
+    # `join` blocks in C++, where Python never sees the KeyboardInterrupt of a
+    # Ctrl-C; the default action ends the process instead.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    server.join()
+
+
+def _exit_at_end_of_stdin() -> None:
+    sys.stdin.buffer.read()
+    print("Standard input closed: the process that started this server is gone.", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tf_diffmap.cluster`: serve one task, or try a cluster locally.
+
+    Args:
+        argv: the arguments; by default `sys.argv[1:]`.
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_diffmap.cluster",
+        description=(
+            "Serve this machine's tf_diffmap worker or ps task (from TF_CONFIG) until "
+            "stopped, or with --local start every worker and ps task on this machine."
+        ),
+    )
+    parser.add_argument("--tf-config", default=None, help="TF_CONFIG JSON (default: $TF_CONFIG)")
+    parser.add_argument(
+        "--local",
+        nargs="?",
+        const="workers=2,ps=1",
+        default=None,
+        metavar="workers=N,ps=M",
+        help=(
+            "start N worker and M ps processes on 127.0.0.1, print the TF_CONFIG a chief "
+            "must use, and run until Ctrl-C or SIGTERM (default: workers=2,ps=1)"
+        ),
+    )
+    parser.add_argument(
+        "--logical-cpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="logical CPU devices per worker task, one replica each (default: 1)",
+    )
+    parser.add_argument(
+        "--exit-when-stdin-closes",
+        action="store_true",
+        help="stop serving when standard input ends (used by LocalCluster)",
+    )
+    args = parser.parse_args(argv)
+    if args.logical_cpus < 1:
+        parser.error(f"--logical-cpus needs N >= 1, received {args.logical_cpus}.")
+    if args.local is None:
+        serve(args.tf_config, args.logical_cpus, args.exit_when_stdin_closes)
+        return 0
+    if args.tf_config is not None:
+        parser.error(
+            "--local starts its own tasks and prints their TF_CONFIG; drop --tf-config, "
+            "for example: python -m tf_diffmap.cluster --local workers=2,ps=1"
+        )
+    try:
+        counts = parse_local_spec(args.local)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        return run_local(**counts, cpus_per_worker=args.logical_cpus)
+    except (RuntimeError, TimeoutError) as error:
+        print(f"python -m tf_diffmap.cluster --local: {error}", file=sys.stderr)
+        return 1
