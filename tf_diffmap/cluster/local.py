@@ -192,6 +192,18 @@ class LocalCluster:
 
     # -- the processes -----------------------------------------------------
 
+    def exits(self) -> dict[tuple[str, int], str]:
+        """Per started task whose process has exited, by `(task_type, index)`:
+        a line that says how, and where its stderr is."""
+        return {
+            key: (
+                f"{task.name} (pid {task.process.pid}) exited with code "
+                f"{task.process.returncode}; its stderr is {task.stderr_path}"
+            )
+            for key, task in self._tasks.items()
+            if task.process is not None and not task.running()
+        }
+
     @property
     def pids(self) -> dict[tuple[str, int], int]:
         """The pid of each started task's latest process, by `(task_type, index)`."""
@@ -512,15 +524,10 @@ def run_local(workers: int = 2, ps: int = 1, cpus_per_worker: int = 1) -> int:
         reported: set[tuple[str, int]] = set()
         while True:
             time.sleep(0.5)
-            for (job, index), task in local._tasks.items():
-                if (job, index) not in reported and not task.running():
-                    reported.add((job, index))
-                    print(
-                        f"{task.name} (pid {task.process.pid}) exited with code "
-                        f"{task.process.returncode}; its stderr is {task.stderr_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            for key, message in local.exits().items():
+                if key not in reported:
+                    reported.add(key)
+                    print(message, file=sys.stderr, flush=True)
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
