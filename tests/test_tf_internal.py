@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap._tf_internal import variables as checked
+from tf_diffmap._tf_internal import checks as checked
 
 
 def test_tensorflow_internals_match_what_the_strategy_overrides():
