@@ -579,7 +579,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         return True
 
     @property
-    def _globalbatch_size(self):
+    def _global_batch_size(self):
         return True
 
 

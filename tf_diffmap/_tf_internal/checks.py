@@ -23,7 +23,7 @@ from tf_diffmap._tf_internal.keras_internals import OPTIMIZER_SLOTS
 from tf_diffmap._tf_internal.variables import ResourceVariable
 
 # The TensorFlow releases whose internals the package was tested with.
-TESTED_TENSORFLOW = ("2.21",)
+TESTED_TENSORFLOW = ("2.21", "2.22")
 
 # Private hooks of `StrategyExtended` that `strategy._AsyncExtended`
 # overrides, with the parameters TensorFlow calls them with (None: a
