@@ -1,9 +1,33 @@
-"""The private TensorFlow APIs the strategy relies on are still there."""
+"""TensorFlow's and Keras' private APIs that tf_diffmap relies on, exercised.
 
+`_tf_internal.check_compatibility` looks every hook and member up by name.
+These tests go further: each hook the strategy overrides is run through
+TensorFlow or Keras the way training runs it, with a recorder around it, and
+each test asserts that TensorFlow routed through the hook (a release that
+renames a hook or stops calling it fails the test named after it); each
+rewrite of a traced graph is applied and its effect asserted.
+"""
+
+import collections
+import contextlib
+import functools
+import pathlib
+import sys
+import threading
+
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_diffmap
 from tf_diffmap import _tf_internal
+from tf_diffmap import strategy as strategy_module
+from tf_diffmap._tf_internal import checks
+
+Extended = strategy_module._AsyncExtended
+
+# -- what `check_compatibility` looks up ---------------------------------------
 
 
 def test_tensorflow_internals_match_what_the_strategy_overrides():
@@ -17,7 +41,7 @@ def test_a_changed_hook_is_reported_by_name(monkeypatch):
             hooks.setdefault(key, value)
     del hooks["_replica_ctx_update"]
     moved = type("MovedExtended", (), hooks)
-    monkeypatch.setattr(_tf_internal, "ExtendedBase", moved)
+    monkeypatch.setattr(checks, "ExtendedBase", moved)
     problems = _tf_internal.compatibility_problems()
     assert any("_replica_ctx_update" in p for p in problems)
     with pytest.raises(RuntimeError, match="_replica_ctx_update.*Install a TensorFlow"):
@@ -27,6 +51,13 @@ def test_a_changed_hook_is_reported_by_name(monkeypatch):
 def test_a_changed_signature_is_reported(monkeypatch):
     monkeypatch.setattr(_tf_internal.ExtendedBase, "_reduce_to", lambda self, op, value: value)
     assert any("_reduce_to" in p for p in _tf_internal.compatibility_problems())
+
+
+def test_a_hook_no_tensorflow_strategy_defines_any_more_is_reported(monkeypatch):
+    monkeypatch.setattr(checks, "_built_in_extended_classes", lambda: [])
+    problems = _tf_internal.compatibility_problems()
+    assert any("`_global_batch_size`" in p for p in problems)
+    assert any("`_get_local_replica_id`" in p for p in problems)
 
 
 @pytest.mark.parametrize(
@@ -39,33 +70,344 @@ def test_a_changed_signature_is_reported(monkeypatch):
     ],
 )
 def test_what_a_split_variable_relies_on_is_checked(monkeypatch, owner, name, reported):
-    monkeypatch.delattr(getattr(_tf_internal, owner), name)
+    monkeypatch.delattr(getattr(checks, owner), name)
     assert any(reported in p for p in _tf_internal.compatibility_problems())
 
 
 def test_a_keras_variable_that_keeps_its_checkpoint_to_itself_is_reported(monkeypatch):
-    import keras
-
     monkeypatch.setattr(keras.Variable, "_serialize_to_tensors", lambda self: {})
     problems = _tf_internal.compatibility_problems()
     assert any("keras.Variable._serialize_to_tensors no longer" in p for p in problems)
-    monkeypatch.setattr(_tf_internal, "ResourceVariable", type("Bare", (), {}))
+    monkeypatch.setattr(checks, "ResourceVariable", type("Bare", (), {}))
     problems = _tf_internal.compatibility_problems()
     assert any("ResourceVariable._restore_from_tensors is gone" in p for p in problems)
 
 
+def test_an_sgd_that_no_longer_reads_its_momentum_as_a_number_is_reported(monkeypatch):
+    monkeypatch.setattr(keras.optimizers.SGD, "update_step", lambda self, g, v, lr: None)
+    problems = _tf_internal.compatibility_problems()
+    assert any("SGD.update_step no longer reads `self.momentum`" in p for p in problems)
+
+
+# Where tf_diffmap may reach into TensorFlow's or Keras' private parts.
+PRIVATE_REACHES = (
+    "import tensorflow.python",
+    "from tensorflow.python",
+    "keras.src",
+    "sys._getframe",
+    "register_tensor_conversion_function",
+    "._update_input(",
+    "._set_device(",
+    "._is_stateful",
+    "__class__ = ",
+)
+
+
+def test_only_the_internal_package_reaches_into_private_apis():
+    internal = pathlib.Path(_tf_internal.__file__).parent
+    package = internal.parent
+    outside = {
+        f"{p.relative_to(package)}: {reach}"
+        for p in package.rglob("*.py")
+        if internal not in p.parents
+        for reach in PRIVATE_REACHES
+        if reach in p.read_text()
+    }
+    assert not outside, sorted(outside)
+    inside = "".join(p.read_text() for p in internal.glob("*.py"))
+    assert "from tensorflow.python" in inside and "register_tensor_conversion" not in inside
+
+
+# -- every hook the strategy overrides, routed through TensorFlow and Keras -----
+
+# Each hook, and the flow in which TensorFlow or Keras calls it: "fit",
+# "evaluate" and "predict" of a Keras model; a "custom loop" of `strategy.run`
+# over a distributed dataset; Keras' "eager update" (`apply_gradients`
+# outside `strategy.run`); the "tf.distribute API" (public methods of the
+# strategy and its `extended`, which call the private hooks); and
+# "TensorFlow's Keras 2" (the `tf.distribute` utilities in
+# `tensorflow.python.keras`, the one caller left of two hooks that every
+# TensorFlow strategy defines).
+ROUTES = {
+    "_create_variable": "fit",
+    "_validate_colocate_with_variable": "fit",
+    "colocate_vars_with": "fit",
+    "_num_replicas_in_sync": "fit",
+    "_use_merge_call": "fit",
+    "_call_for_each_replica": "fit",
+    "_replica_ctx_all_reduce": "fit",
+    "_replica_ctx_update": "fit",
+    "_get_local_replica_id": "fit",
+    "_experimental_distribute_dataset": "fit",
+    "_local_results": "predict",
+    "value_container": "predict",
+    "_update": "eager update",
+    "_reduce_to": "custom loop",
+    "_gather_to_implementation": "custom loop",
+    "_distribute_datasets_from_function": "custom loop",
+    "_batch_reduce_to": "tf.distribute API",
+    "_broadcast_to": "tf.distribute API",
+    "_update_non_slot": "tf.distribute API",
+    "_experimental_distribute_values_from_function": "tf.distribute API",
+    "non_slot_devices": "tf.distribute API",
+    "variable_created_in_scope": "tf.distribute API",
+    "read_var": "tf.distribute API",
+    "worker_devices": "tf.distribute API",
+    "parameter_devices": "tf.distribute API",
+    "experimental_between_graph": "tf.distribute API",
+    "experimental_should_init": "tf.distribute API",
+    "should_checkpoint": "tf.distribute API",
+    "should_save_summary": "tf.distribute API",
+    "_in_multi_worker_mode": "TensorFlow's Keras 2",
+    "_global_batch_size": "TensorFlow's Keras 2",
+}
+
+
+def _overridden_hooks() -> set[str]:
+    """What `_AsyncExtended` defines that TensorFlow's `StrategyExtended`, or
+    one of TensorFlow's own strategies, defines too."""
+    tensorflow_names = set()
+    for cls in [*_tf_internal.ExtendedBase.__mro__, *checks._built_in_extended_classes()]:
+        tensorflow_names.update(vars(cls))
+    return {n for n in vars(Extended) if n in tensorflow_names and not n.startswith("__")}
+
+
+def test_every_hook_is_checked_and_routed():
+    """The tables name every override, and each names an override."""
+    checked = {
+        *_tf_internal.EXTENDED_HOOKS,
+        *_tf_internal.BUILT_IN_HOOKS,
+        *_tf_internal.PUBLIC_OVERRIDES,
+    }
+    overridden = _overridden_hooks()
+    assert checked == overridden, (
+        f"hooks the strategy overrides that `checks` does not list: {overridden - checked}; "
+        f"listed hooks the strategy no longer overrides: {checked - overridden}"
+    )
+    assert set(ROUTES) == overridden
+
+
+def _recorded(name: str, member, calls, flow, probes):
+    """`member` of `_AsyncExtended`, recording each call under the current flow."""
+    probe = probes.get(name)
+    if isinstance(member, property):
+
+        def get(self):
+            calls[name].add(flow[0])
+            return member.fget(self)
+
+        return property(get)
+
+    @functools.wraps(member)
+    def method(self, *args, **kwargs):
+        calls[name].add(flow[0])
+        if probe is not None:
+            probe(*args, **kwargs)
+        return member(self, *args, **kwargs)
+
+    return method
+
+
+def _keras_flows(strategy, run, seen):
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (x[:, :2] * 2.0).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    seen["optimizer"] = model.optimizer
+    run("fit", lambda: model.fit(x, y, batch_size=16, epochs=1, verbose=0, validation_data=(x, y)))
+    run("evaluate", lambda: model.evaluate(x, y, batch_size=16, verbose=0))
+    run("predict", lambda: seen.setdefault("predicted", model.predict(x, verbose=0)))
+
+
+def _custom_loop(strategy, run, seen):
+    x = np.ones((8, 4), "float32")
+    with strategy.scope():
+        kernel = tf.Variable(tf.ones([4, 1]))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([kernel])
+
+    @tf.function
+    def step(batch):
+        def replica(batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.matmul(batch, kernel))
+            optimizer.apply_gradients(zip(tape.gradient(loss, [kernel]), [kernel]))
+            return loss
+
+        loss = strategy.run(replica, args=(batch,))
+        return strategy.reduce("SUM", loss, axis=None), strategy.gather(loss, axis=0)
+
+    def loop():
+        batches = tf.data.Dataset.from_tensor_slices(x).batch(4)
+        for batch in strategy.experimental_distribute_dataset(batches):
+            seen["reduced"], seen["gathered"] = step(batch)
+        made = strategy.distribute_datasets_from_function(
+            lambda context: tf.data.Dataset.from_tensor_slices(x).batch(2)
+        )
+        seen["from function"] = next(iter(made)).shape.as_list()
+
+    run("custom loop", loop)
+
+    def eager_update():
+        optimizer.apply_gradients([(tf.ones([4, 1]), kernel)])
+        seen["kernel"] = kernel.numpy()
+
+    run("eager update", eager_update)
+    return kernel
+
+
+def _api_flow(strategy, kernel, run, seen):
+    extended = strategy.extended
+
+    def api():
+        seen["non slot"] = extended.update_non_slot([kernel], lambda: tf.constant(7.0))
+        seen["non slot devices"] = extended.non_slot_devices([kernel])
+        seen["batch reduced"] = extended.batch_reduce_to("SUM", [(tf.constant(2.0), kernel)])
+        seen["broadcast"] = extended.broadcast_to(tf.constant(3.0), kernel)
+        with pytest.raises(NotImplementedError, match="tf_diffmap.Strategy feeds whole"):
+            strategy.experimental_distribute_values_from_function(lambda context: 1.0)
+        seen["in scope"] = extended.variable_created_in_scope(kernel)
+        seen["outside"] = extended.variable_created_in_scope(tf.Variable(1.0))
+        seen["read"] = extended.read_var(kernel)
+        seen["facts"] = {
+            name: getattr(extended, name)
+            for name in (
+                "worker_devices",
+                "parameter_devices",
+                "experimental_between_graph",
+                "experimental_should_init",
+                "should_checkpoint",
+                "should_save_summary",
+            )
+        }
+
+    run("tf.distribute API", api)
+
+    def keras_2():
+        from tensorflow.python.keras.distribute import (
+            distributed_file_utils,
+            distributed_training_utils,
+        )
+
+        seen["dirpath"] = distributed_file_utils.write_dirpath("/tmp/unused", strategy)
+        seen["global batch"] = distributed_training_utils.global_batch_size_supported(strategy)
+
+    run("TensorFlow's Keras 2", keras_2)
+
+
+@pytest.fixture(scope="module")
+def routes():
+    """Runs every flow once with a recorder around each hook.
+
+    Returns `(calls, seen, errors)`: per hook, the flows that called it;
+    what the flows observed; per flow, the error that stopped it.
+    """
+    calls = collections.defaultdict(set)
+    flow = ["building"]
+    seen: dict = {"inference": [], "update owners": set()}
+    errors: dict[str, BaseException] = {}
+
+    def note_inference(*args, **kwargs):
+        seen["inference"].append((flow[0], _tf_internal.for_keras_inference()))
+
+    def note_owner(var, fn, *args, **kwargs):
+        seen["update owners"].add(_tf_internal.optimizer_of_update(fn))
+
+    probes = {
+        "_experimental_distribute_dataset": note_inference,
+        "_replica_ctx_update": note_owner,
+    }
+
+    def run(name, body):
+        flow[0] = name
+        try:
+            body()
+        except Exception as error:  # reported by the tests of the hooks it calls
+            errors[name] = error
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ROUTES:
+            if name in vars(Extended):
+                patch.setattr(
+                    Extended, name, _recorded(name, vars(Extended)[name], calls, flow, probes)
+                )
+        strategy = tf_diffmap.Strategy(devices=["CPU:0", "CPU:1"])
+        try:
+            _keras_flows(strategy, run, seen)
+            kernel = _custom_loop(strategy, run, seen)
+            _api_flow(strategy, kernel, run, seen)
+        finally:
+            strategy.shutdown()
+    return calls, seen, errors
+
+
+@pytest.mark.parametrize("hook", sorted(ROUTES))
+def test_tensorflow_routes_through_the_hook(routes, hook):
+    calls, _, errors = routes
+    flow = ROUTES[hook]
+    assert hook in vars(Extended), f"_AsyncExtended no longer overrides `{hook}`"
+    if flow in calls[hook]:
+        return
+    assert flow not in errors, f"the {flow} flow failed before reaching `{hook}`: {errors[flow]!r}"
+    assert flow in calls[hook], (
+        f"TensorFlow {tf.__version__} with Keras {keras.__version__} no longer calls "
+        f"`_AsyncExtended.{hook}` in {flow} (it was called in: {sorted(calls[hook]) or 'none'})"
+    )
+
+
+def test_the_flows_see_what_the_hooks_return(routes):
+    _, seen, errors = routes
+    assert not errors, errors
+    assert seen["predicted"].shape == (64, 2)
+    assert np.isfinite(seen["reduced"]) and np.isfinite(seen["gathered"]).all()
+    assert seen["from function"] == [4, 4]  # two replicas' batches of 2, joined
+    assert float(seen["non slot"]) == 7.0
+    assert seen["non slot devices"]
+    assert len(seen["batch reduced"]) == 1
+    assert float(seen["broadcast"]) == 3.0
+    assert seen["in scope"] is True and seen["outside"] is False
+    np.testing.assert_array_equal(seen["read"], seen["kernel"])
+    assert seen["facts"]["worker_devices"] and seen["facts"]["parameter_devices"]
+    assert seen["facts"]["experimental_between_graph"] is False
+    assert seen["facts"]["experimental_should_init"] is True
+    assert seen["facts"]["should_checkpoint"] is True
+    assert seen["facts"]["should_save_summary"] is True
+    assert seen["dirpath"] == "/tmp/unused"  # not multi-worker: unchanged
+    assert seen["global batch"] is True
+
+
+def test_keras_says_which_of_fit_evaluate_and_predict_asks_for_a_dataset(routes):
+    """`for_keras_inference` (a walk up Keras' stack) tells `fit`'s training
+    data from its validation data and from `evaluate`'s and `predict`'s."""
+    _, seen, _ = routes
+    assert seen["inference"] == [
+        ("fit", False),
+        ("fit", True),
+        ("evaluate", True),
+        ("predict", True),
+        ("custom loop", False),
+    ]
+    assert _tf_internal.for_keras_inference() is False
+
+
+def test_keras_hands_each_update_to_the_strategy_as_its_optimizer_s_function(routes):
+    _, seen, _ = routes
+    owners = seen["update owners"] - {None}
+    assert seen["optimizer"] in owners
+    assert all(isinstance(o, keras.optimizers.Optimizer) for o in owners)
+    assert _tf_internal.optimizer_of_update(lambda var: var) is None
+
+
 def test_keras_optimizers_remember_the_strategy_they_were_created_under():
     """What the outside-the-scope error reads, and the error it replaces."""
-    import keras
-
-    import tf_diffmap
-
     outside = keras.optimizers.SGD(0.1)
     assert _tf_internal.optimizer_strategy(outside) is tf.distribute.get_strategy()
     strategy = tf_diffmap.Strategy()
     with strategy.scope():
         assert _tf_internal.optimizer_strategy(keras.optimizers.SGD(0.1)) is strategy
         model_variable = tf.Variable(1.0)
+    assert strategy.extended._container_strategy() is strategy
     assert _tf_internal.optimizer_strategy(object()) is None
     # TensorFlow's own error when it makes a slot there (the base class's
     # scope: tf_diffmap's replaces this error with its own).
@@ -75,32 +417,175 @@ def test_keras_optimizers_remember_the_strategy_they_were_created_under():
     assert not _tf_internal.is_mixed_strategy_error(RuntimeError("something else"))
 
 
-def test_only_one_module_imports_tensorflow_python():
-    import pathlib
+# -- Keras' optimizers -------------------------------------------------------------
 
-    package = pathlib.Path(_tf_internal.__file__).parent
-    importers = sorted(
-        p.name
-        for p in package.glob("*.py")
-        if "tensorflow.python" in p.read_text()
-        and (
-            "import tensorflow.python" in p.read_text() or "from tensorflow.python" in p.read_text()
-        )
-    )
-    assert importers == ["_tf_internal.py"]
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.Adam(0.1, amsgrad=True),
+        lambda: keras.optimizers.Adagrad(0.1),
+        lambda: keras.optimizers.Ftrl(0.1),
+    ],
+    ids=["SGD", "Adam", "Adagrad", "Ftrl"],
+)
+def test_the_slots_found_are_the_ones_the_optimizer_updates(make):
+    optimizer = make()
+    first, second = tf.Variable(tf.ones([3, 2])), tf.Variable(tf.ones([2]))
+    optimizer.build([first, second])
+    slots = _tf_internal.optimizer_slots(optimizer, second)
+    held = {id(v.value if isinstance(v, keras.Variable) else v) for v in optimizer.variables}
+    assert slots and all(id(slot) in held for slot in slots.values())
+    assert all(slot.shape == second.shape for slot in slots.values())
+    before = {name: slot.numpy().copy() for name, slot in slots.items()}
+    optimizer.apply_gradients([(tf.zeros([3, 2]), first), (tf.ones([2]), second)])
+    moved = [name for name, slot in slots.items() if not np.array_equal(slot.numpy(), before[name])]
+    assert moved, "no slot found for the variable changed when it was updated"
+
+
+def test_sgd_updates_with_the_momentum_chosen_for_the_update():
+    """SGD, told momentum 0.5 for an update (its own is 0.9), applies 0.5."""
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    variable = tf.Variable(1.0)
+    sgd.build([variable])
+    sgd.momentums[0].assign(1.0)
+
+    @tf.function
+    def update(momentum):
+        with _tf_internal.momentum_of_update(sgd, momentum):
+            sgd.apply_gradients([(tf.constant(1.0), variable)])
+
+    update(tf.constant(0.5))
+    assert sgd.momentum == 0.9  # restored
+    np.testing.assert_allclose(sgd.momentums[0].numpy(), 0.5 * 1.0 - 0.1 * 1.0)
+    np.testing.assert_allclose(variable.numpy(), 1.0 + 0.4)
+    stand_in = _tf_internal.TracedMomentum(0.9, tf.constant(0.25))
+    assert stand_in != 0 and stand_in == 0.9 and float(stand_in) == 0.9
+    assert float(tf.convert_to_tensor(stand_in)) == 0.25
+    assert tf.cast(stand_in, tf.float16).dtype == tf.float16
+
+
+# -- the strategy's runtime --------------------------------------------------------
+
+
+def test_a_thread_that_installs_the_summary_state_writes_where_the_caller_does(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=3):
+        install = _tf_internal.capture_summary_state()
+    written = {}
+
+    def helper(key, installs):
+        if installs:
+            install()
+        written[key] = bool(tf.summary.scalar("x", 1.0)), tf.summary.experimental.get_step()
+
+    for key, installs in (("installed", True), ("bare", False)):
+        thread = threading.Thread(target=helper, args=(key, installs))
+        thread.start()
+        thread.join()
+    assert written["installed"][0] is True and int(written["installed"][1]) == 3
+    assert written["bare"] == (False, None)
+
+
+def test_a_graph_compiled_by_xla_is_told_apart():
+    seen = {}
+
+    def probe(key):
+        def body(x):
+            seen[key] = _tf_internal.in_xla_context()
+            return x + 1.0
+
+        return body
+
+    tf.function(probe("xla"), jit_compile=True).get_concrete_function(tf.TensorSpec([]))
+    tf.function(probe("plain")).get_concrete_function(tf.TensorSpec([]))
+    assert seen == {"xla": True, "plain": False}
+
+
+def test_a_dataset_s_traced_functions_are_found_through_its_inputs():
+    """What keeps a replaced input's functions registered on a cluster
+    while a worker is lost (`dataset_functions`, private `tf.data` API)."""
+    dataset = tf.data.Dataset.range(8).map(lambda x: x * 2).filter(lambda x: x > 2).batch(2)
+    functions = _tf_internal.dataset_functions(dataset)
+    assert len(functions) == 2  # the map's and the filter's, found through `batch`
+    assert all(isinstance(f, tf.types.experimental.ConcreteFunction) for f in functions)
+    assert _tf_internal.dataset_functions(tf.data.Dataset.range(3)) == []
+
+
+def test_a_client_connected_to_no_cluster_has_no_addresses():
+    """`reconnect_cluster` needs a cluster: the slow tests restart one's workers."""
+    assert _tf_internal.cluster_addresses() == {}
+
+
+def test_the_store_version_counter_op_counts_up_to_its_limit():
+    counter = tf.Variable(tf.constant(0, tf.int64))
+    before = [
+        int(tf.raw_ops.ResourceCountUpTo(resource=counter.handle, limit=2, T=tf.int64))
+        for _ in range(2)
+    ]
+    assert before == [0, 1] and int(counter.numpy()) == 2
+    with pytest.raises(tf.errors.OutOfRangeError):
+        tf.raw_ops.ResourceCountUpTo(resource=counter.handle, limit=2, T=tf.int64)
+
+
+# -- the store's variables: a class switched, its read hook, tape records -----------
+
+
+@contextlib.contextmanager
+def _tracing_replica_step(reads_as_rows=False):
+    """This thread traces a replica step in the graph being built."""
+    tracing = _tf_internal.replica_tracing()
+    saved = (tracing.active, tracing.step_graph, tracing.snapshots, tracing.reads_as_rows)
+    saved_stand_ins = tracing.stand_ins
+    tracing.active, tracing.step_graph = True, tf.compat.v1.get_default_graph()
+    tracing.snapshots, tracing.reads_as_rows, tracing.stand_ins = {}, reads_as_rows, {}
+    try:
+        yield tracing
+    finally:
+        tracing.active, tracing.step_graph, tracing.snapshots, tracing.reads_as_rows = saved
+        tracing.stand_ins = saved_stand_ins
+
+
+def test_a_variable_switched_to_a_store_variable_keeps_what_it_was(tmp_path):
+    accesses = []
+    with tf.device("CPU:0"):
+        plain = tf.Variable([1.0, 2.0], name="kept", trainable=False)
+    variable = _tf_internal.StoreVariable.adopt(plain, lambda: accesses.append(1))
+    assert variable is plain and type(variable) is _tf_internal.StoreVariable
+    assert isinstance(variable, _tf_internal.ResourceVariable) and isinstance(variable, tf.Variable)
+    assert variable.name == "kept:0" and variable.trainable is False
+    assert variable.shape == [2] and "CPU:0" in variable.device
+    # Every eager read goes through the overridden `_read_variable_op`.
+    for access in (
+        variable.read_value,
+        variable.value,
+        lambda: tf.convert_to_tensor(variable),
+        lambda: variable + 1.0,
+        variable.numpy,
+        # And every write goes through the store's methods.
+        lambda: variable.assign([3.0, 4.0]),
+        lambda: variable.assign_add([1.0, 1.0]),
+        lambda: variable.assign_sub([0.5, 0.5]),
+    ):
+        count = len(accesses)
+        access()
+        assert len(accesses) > count, access
+    checkpoint = tf.train.Checkpoint(v=variable)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    variable.assign([0.0, 0.0])
+    checkpoint.read(path).assert_consumed()
+    np.testing.assert_array_equal(variable.numpy(), [3.5, 4.5])
+    assert _tf_internal.StoreVariable.adopt(variable, lambda: None) is variable  # once
 
 
 def test_store_variable_rewrites_keras_assign_add_as_atomic_add():
     variable = _tf_internal.StoreVariable.adopt(tf.Variable(1.0), lambda: None)
-    tracing = _tf_internal.replica_tracing()
 
     @tf.function
     def step():
-        tracing.active = True
-        try:
+        with _tracing_replica_step():
             variable.assign(variable + 2.0)
-        finally:
-            tracing.active = False
 
     graph = step.get_concrete_function().graph
     types = [op.type for op in graph.get_operations()]
@@ -108,6 +593,170 @@ def test_store_variable_rewrites_keras_assign_add_as_atomic_add():
     assert "AssignVariableOp" not in types
     step()
     assert variable.numpy() == 3.0
+
+
+def test_a_snapshot_variable_is_read_once_per_replica_step():
+    variable = _tf_internal.StoreVariable.adopt(tf.Variable(2.0), lambda: None)
+    variable.snapshot_in_steps()
+    reads = {}
+
+    @tf.function
+    def step():
+        with _tracing_replica_step():
+            reads["first"] = variable.read_value()
+            variable.assign_add(1.0, read_value=False)
+            reads["second"] = variable.read_value()
+        return reads["first"] * reads["second"]
+
+    graph = step.get_concrete_function().graph
+    assert reads["first"].op.inputs[0] is reads["second"].op.inputs[0]
+    assert len([op for op in graph.get_operations() if op.type == "ReadVariableOp"]) == 1
+    assert float(step()) == 2.0 * 2.0  # both before the update (else 2.0 * 3.0)
+
+
+def test_recorded_reads_carry_gradients_to_the_variable():
+    variable = tf.Variable(tf.ones([4, 2]))
+    ids = tf.constant([3, 1, 3], tf.int64)
+    with tf.GradientTape(persistent=True) as tape:
+        value = tf.constant(variable.numpy())
+        _tf_internal.record_read(variable, value)
+        rows = tf.gather(tf.constant(variable.numpy()), ids)
+        _tf_internal.record_rows_read(variable, ids, rows)
+        whole, looked_up = tf.reduce_sum(value * 3.0), tf.reduce_sum(rows)
+    np.testing.assert_array_equal(tape.gradient(whole, variable), np.full((4, 2), 3.0))
+    gradient = tape.gradient(looked_up, variable)
+    assert isinstance(gradient, tf.IndexedSlices)
+    assert gradient.indices.numpy().tolist() == [3, 1, 3]
+    assert gradient.dense_shape.numpy().tolist() == [4, 2]
+
+
+def test_a_split_variable_s_hooks_are_the_ones_tensorflow_and_keras_call(tmp_path, monkeypatch):
+    """`PartitionedVariable` overrides a read hook and the checkpoint and
+    SavedModel hooks of a variable; TensorFlow calls each, and a Keras
+    variable hands its checkpoint over to its `tf.Variable`."""
+    from tf_diffmap.partitioned import PartitionedVariable, RowSplit
+
+    called = collections.Counter()
+    for name in ("_read_variable_op", *_tf_internal.SPLIT_VARIABLE_HOOKS):
+        original = getattr(PartitionedVariable, name)
+
+        def recorder(self, *args, _original=original, _name=name, **kwargs):
+            called[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(PartitionedVariable, name, recorder)
+    initial = np.arange(10, dtype="float32").reshape(5, 2)
+    shards = [tf.Variable(initial[:3]), tf.Variable(initial[3:])]
+    table = PartitionedVariable.build(shards, RowSplit((3, 2)), name="table", trainable=True)
+    np.testing.assert_array_equal(tf.convert_to_tensor(table), initial)
+    assert called["_read_variable_op"] >= 1
+    checkpoint = tf.train.Checkpoint(table=table)
+    path = checkpoint.write(str(tmp_path / "split"))
+    table.assign(np.zeros((5, 2), "float32"))
+    checkpoint.read(path)
+    np.testing.assert_array_equal(shards[1].numpy(), initial[3:])
+    assert called["_serialize_to_tensors"] >= 1 and called["_restore_from_tensors"] == 1
+    module = tf.Module()
+    module.table = table
+    with pytest.raises(NotImplementedError, match="split by rows"):
+        tf.saved_model.save(module, str(tmp_path / "saved"))
+    assert called["_export_to_saved_model_graph"] == 1
+    # Keras' variables hand their checkpoints over to their tf.Variable.
+    handed = collections.Counter()
+    serialize = _tf_internal.ResourceVariable._serialize_to_tensors
+
+    def counted(self):
+        handed["serialize"] += 1
+        return serialize(self)
+
+    monkeypatch.setattr(_tf_internal.ResourceVariable, "_serialize_to_tensors", counted)
+    weight = keras.Variable(np.ones(3, "float32"))
+    tf.train.Checkpoint(weight=weight).write(str(tmp_path / "keras"))
+    assert handed["serialize"] >= 1
+
+
+# -- rewrites of a traced step's graph ---------------------------------------------
+
+
+def test_row_gathers_of_a_large_table_become_gathers_beside_it():
+    """Inside a replica step a large table's read is a stand-in; at the claim
+    each row gather of it is rewired to a gather beside the table, any other
+    use to a whole read, and a use made after the claim to those reads."""
+    rows = _tf_internal.ROWS_READ_BYTES // (4 * 64)
+    initial = np.random.default_rng(1).normal(size=(rows, 64)).astype("float32")
+    table = _tf_internal.StoreVariable.adopt(tf.Variable(initial), lambda: None)
+    made = {}
+
+    @tf.function(autograph=False)
+    def step(ids):
+        with _tracing_replica_step(reads_as_rows=True):
+            value = table.value()
+            gathered = tf.gather(value, ids)
+            summed = tf.reduce_sum(value)
+            used = gathered * 2.0
+            resolved = _tf_internal.resolve_row_reads()
+            late = gathered + 1.0  # made after the claim
+            outputs = _tf_internal.rewire_late_uses(resolved, (used, summed, late, gathered))
+        made.update(value=value, gathered=gathered, used=used, summed=summed, late=late)
+        made["reads"] = resolved[id(table)]
+        return outputs
+
+    step.get_concrete_function(tf.TensorSpec([None], tf.int64))
+    reads = made["reads"]
+    assert reads.variable is table and len(reads.lookups) == 1
+    gather_beside = made["used"].op.inputs[0].op
+    assert gather_beside.type == "ResourceGather"
+    assert made["late"].op.inputs[0] is gather_beside.outputs[0]
+    assert made["summed"].op.inputs[0] is reads.value
+    assert reads.value.op.type == "ReadVariableOp"
+    assert not made["value"].consumers() or all(
+        c.type == "GatherV2" for c in made["value"].consumers()
+    )
+    ids = tf.constant([5, 0, 5], tf.int64)
+    used, summed, late, gathered = step(ids)
+    np.testing.assert_array_equal(gathered, initial[[5, 0, 5]])
+    np.testing.assert_array_equal(used, initial[[5, 0, 5]] * 2.0)
+    np.testing.assert_array_equal(late, initial[[5, 0, 5]] + 1.0)
+    np.testing.assert_allclose(summed, initial.sum(), rtol=1e-5)
+
+
+def test_the_control_dependencies_tf_function_adds_are_the_ones_predicted():
+    """`graphs.successors` re-implements the edges `tf.function` adds between
+    ops once a trace ends; packing values must not invert any of them."""
+    from tf_diffmap._tf_internal import graphs
+
+    first, second = tf.Variable(1.0), tf.Variable(2.0)
+    seen = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        first.assign_add(x)
+        read = first.read_value()
+        second.assign(read * 2.0)
+        first.assign_sub(1.0)
+        tf.print(x, output_stream=sys.stderr)  # stateful, on no resource
+        tf.print(read, output_stream=sys.stderr)
+        operations = tf.compat.v1.get_default_graph().get_operations()
+        seen["operations"] = operations
+        seen["before"] = {op: set(op.control_inputs) for op in operations}
+        return second.read_value()
+
+    step.get_concrete_function(tf.TensorSpec([]))
+    operations, before = seen["operations"], seen["before"]
+    after = graphs.successors(operations)
+    added = [
+        (control, op)
+        for op in operations
+        for control in set(op.control_inputs) - before[op]
+        if control in before
+    ]
+    assert added, "tf.function added no control dependency between the traced ops"
+    unpredicted = [
+        (control.name, op.name)
+        for control, op in added
+        if op not in graphs.reaches(after, [control])
+    ]
+    assert not unpredicted, unpredicted
 
 
 def test_scalar_bookkeeping_runs_beside_the_variables_it_reads():
@@ -253,13 +902,3 @@ def test_a_value_too_large_to_gain_travels_alone():
             used = [tf.reduce_sum(large) + tf.reduce_sum(s) for s in small]
     assert _tf_internal.pack_crossings(graph) == 2
     assert used[0].op.inputs[0].op.inputs[0] is large
-
-
-def test_a_dataset_s_traced_functions_are_found_through_its_inputs():
-    """What keeps a replaced input's functions registered on a cluster
-    while a worker is lost (`dataset_functions`, private `tf.data` API)."""
-    dataset = tf.data.Dataset.range(8).map(lambda x: x * 2).filter(lambda x: x > 2).batch(2)
-    functions = _tf_internal.dataset_functions(dataset)
-    assert len(functions) == 2  # the map's and the filter's, found through `batch`
-    assert all(isinstance(f, tf.types.experimental.ConcreteFunction) for f in functions)
-    assert _tf_internal.dataset_functions(tf.data.Dataset.range(3)) == []

@@ -12,9 +12,9 @@ once. On a cluster, training input is built on each worker instead
 
 from __future__ import annotations
 
-import sys
-
 import tensorflow as tf
+
+from tf_diffmap import _tf_internal
 
 __all__ = ["check_dataset", "for_keras_inference", "group_replica_batches", "host_dataset"]
 
@@ -35,24 +35,10 @@ def for_keras_inference() -> bool:
 
     On a cluster, training batches are built on the workers and only tokens
     cross from the chief; evaluation and prediction run synchronously on the
-    chief and need the batches themselves. Keras asks the strategy for a
-    distributed dataset from its epoch iterator, made in `fit`, `evaluate`
-    or `predict`: the nearest of these on the caller's stack decides. `fit`
-    makes two: its training data's first, then, once its training iterator
-    (its local `epoch_iterator`) exists, the validation data's, which
-    `evaluate` reads.
+    chief and need the batches themselves. Keras does not say which of its
+    methods asks for a distributed dataset: `_tf_internal` finds out.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith("keras.") and module.endswith("trainer"):
-            name = frame.f_code.co_name
-            if name in ("evaluate", "predict"):
-                return True
-            if name == "fit":
-                return "epoch_iterator" in frame.f_locals
-        frame = frame.f_back
-    return False
+    return _tf_internal.for_keras_inference()
 
 
 def host_dataset(dataset: tf.data.Dataset, failed: tf.Variable) -> tf.data.Dataset:

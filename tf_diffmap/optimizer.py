@@ -88,54 +88,6 @@ def heavy_ball_momentum(optimizer) -> float:
     return 0.0 if sgd is None else float(sgd.momentum)
 
 
-class _TracedMomentum:
-    """Stands in for SGD's `momentum` while its update is traced.
-
-    Keras' SGD tests `self.momentum != 0` in Python, then converts it to a
-    tensor with `ops.cast`: this compares as the configured momentum and
-    converts to the momentum the rule chose for this update.
-    """
-
-    def __init__(self, nominal: float, tensor: tf.Tensor):
-        self.nominal = nominal
-        self.tensor = tensor
-
-    def __eq__(self, other):
-        return self.nominal == other
-
-    def __ne__(self, other):
-        return self.nominal != other
-
-    def __gt__(self, other):
-        return self.nominal > other
-
-    def __float__(self):
-        return float(self.nominal)
-
-    def __hash__(self):
-        return hash(self.nominal)
-
-
-def _convert_traced_momentum(value, dtype=None, name=None, as_ref=False):
-    del name, as_ref
-    return value.tensor if dtype is None else tf.cast(value.tensor, dtype)
-
-
-tf.register_tensor_conversion_function(_TracedMomentum, _convert_traced_momentum)
-
-
-@contextlib.contextmanager
-def _momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
-    # Replica steps are traced one at a time (see `replica_step.ReplicaStep`), so swapping
-    # the attribute for the length of one trace races with nothing.
-    nominal = sgd.momentum
-    sgd.momentum = _TracedMomentum(nominal, momentum)
-    try:
-        yield
-    finally:
-        sgd.momentum = nominal
-
-
 class _Rows:
     """One gradient as the rules see it: whole, or the rows it touches.
 
@@ -437,7 +389,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             grads, measure_steps = self._gap_aware(grads, variables, state, claim)
         traced_momentum = contextlib.nullcontext()
         if rule == "momentum":
-            traced_momentum = _momentum_of_update(
+            traced_momentum = _tf_internal.momentum_of_update(
                 find_in_chain(self.inner_optimizer, keras.optimizers.SGD),
                 rules.compensated_momentum(
                     heavy_ball_momentum(self.inner_optimizer), mean_staleness

@@ -331,6 +331,11 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
     def should_save_summary(self):
         return True
 
+    @property
+    def _global_batch_size(self):
+        # Keras feeds whole batches of the global batch size.
+        return True
+
 
 def _check_int(name: str, value, minimum: int, none: str = "", note: str = "") -> None:
     """Raises unless `value` is an int (not a bool) >= `minimum`, or None

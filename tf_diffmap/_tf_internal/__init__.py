@@ -1,0 +1,121 @@
+"""Everything tf_diffmap relies on beyond TensorFlow's and Keras' public APIs.
+
+No other module of the package imports `tensorflow.python` or `keras.src`,
+walks the stack or rewrites a graph: they use the names below, so that a
+TensorFlow or Keras upgrade touches this package alone. Two classes outside
+it must define private hooks as methods of their own: the strategy's
+`_AsyncExtended` (which also calls the `_container_strategy` it inherits)
+and `partitioned.PartitionedVariable`; `checks` lists each of their hooks.
+`check_compatibility` (run when a `Strategy` is built) fails naming what
+moved; tests/test_tf_internal.py runs every hook and rewrite through
+TensorFlow and Keras.
+
+Modules, by job:
+
+* `checks`: the hooks and members relied on, and `check_compatibility`.
+* `distribute`: the strategy's base classes, XLA, `tf.summary` state, the
+  functions a dataset holds, the eager context's cluster.
+* `variables`: the parameter store's variables (`StoreVariable`, the
+  class a store variable is switched to) and the tape records of reads.
+* `row_reads`: reads of large tables by rows inside a replica step.
+* `graphs`: rewrites of a traced step's graph (placement, packing of the
+  values crossing between tasks, `tf.function`'s control dependencies).
+* `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
+  momentum per update, and whether `fit` or `evaluate`/`predict` asks.
+"""
+
+from tf_diffmap._tf_internal.checks import (
+    BUILT_IN_HOOKS,
+    CALLED_HOOKS,
+    CALLED_MEMBERS,
+    EXTENDED_HOOKS,
+    PUBLIC_OVERRIDES,
+    SPLIT_VARIABLE_HOOKS,
+    TESTED_TENSORFLOW,
+    VARIABLE_HOOKS,
+    check_compatibility,
+    compatibility_problems,
+)
+from tf_diffmap._tf_internal.distribute import (
+    ExtendedBase,
+    StrategyBase,
+    capture_summary_state,
+    cluster_addresses,
+    dataset_functions,
+    in_xla_context,
+    is_mixed_strategy_error,
+    reconnect_cluster,
+)
+from tf_diffmap._tf_internal.graphs import (
+    PACK_MAX_BYTES,
+    PACKED_SCOPE,
+    pack_crossings,
+    place_scalars_beside_reads,
+)
+from tf_diffmap._tf_internal.keras_internals import (
+    OPTIMIZER_SLOTS,
+    TracedMomentum,
+    for_keras_inference,
+    momentum_of_update,
+    optimizer_of_update,
+    optimizer_slots,
+    optimizer_strategy,
+)
+from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
+from tf_diffmap._tf_internal.variables import (
+    ROWS_READ_BYTES,
+    VARIABLE_VALUE_KEY,
+    InStore,
+    ResourceVariable,
+    StoreVariable,
+    UninitializedVariable,
+    is_read_of,
+    record_read,
+    record_rows_read,
+    replica_tracing,
+)
+
+__all__ = [
+    "BUILT_IN_HOOKS",
+    "CALLED_HOOKS",
+    "CALLED_MEMBERS",
+    "EXTENDED_HOOKS",
+    "OPTIMIZER_SLOTS",
+    "PACK_MAX_BYTES",
+    "PACKED_SCOPE",
+    "PUBLIC_OVERRIDES",
+    "ROWS_READ_BYTES",
+    "SPLIT_VARIABLE_HOOKS",
+    "TESTED_TENSORFLOW",
+    "VARIABLE_HOOKS",
+    "VARIABLE_VALUE_KEY",
+    "ExtendedBase",
+    "InStore",
+    "ResourceVariable",
+    "RowReads",
+    "StoreVariable",
+    "StrategyBase",
+    "TracedMomentum",
+    "UninitializedVariable",
+    "capture_summary_state",
+    "check_compatibility",
+    "cluster_addresses",
+    "compatibility_problems",
+    "dataset_functions",
+    "for_keras_inference",
+    "in_xla_context",
+    "is_mixed_strategy_error",
+    "is_read_of",
+    "momentum_of_update",
+    "optimizer_of_update",
+    "optimizer_slots",
+    "optimizer_strategy",
+    "pack_crossings",
+    "place_scalars_beside_reads",
+    "reconnect_cluster",
+    "record_read",
+    "record_rows_read",
+    "replica_tracing",
+    "resolve_row_reads",
+    "rewire_late_uses",
+]

@@ -1,0 +1,98 @@
+"""The strategy's base classes and what it reads of TensorFlow's runtime.
+
+`tf.distribute` has no public way to write a strategy: a strategy is a
+subclass of `tf.distribute.Strategy` whose `StrategyExtended` overrides
+private hooks (listed in `checks.EXTENDED_HOOKS`). Besides the hooks, the
+strategy asks TensorFlow whether a graph is compiled by XLA, hands the
+caller's `tf.summary` state to the threads that trace replica steps, keeps
+a dataset's functions registered, and reads and renews the cluster the
+eager context is connected to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.ops import control_flow_util, summary_ops_v2
+
+# Base classes of the strategy (public names for classes with private hooks).
+StrategyBase = tf.distribute.Strategy
+ExtendedBase = tf.compat.v1.distribute.StrategyExtended
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being built will be compiled by XLA (jit_compile)."""
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def is_mixed_strategy_error(error: BaseException) -> bool:
+    """Whether TensorFlow refused a variable created under another strategy."""
+    return isinstance(error, RuntimeError) and "Mixing different tf.distribute.Strategy" in str(
+        error
+    )
+
+
+def capture_summary_state() -> Callable[[], None]:
+    """Returns a function that installs this thread's `tf.summary` state.
+
+    `tf.summary` keeps its default writer, step and recording condition per
+    thread. Replica steps are traced in a helper thread, which must see the
+    writer that the caller's thread has set.
+    """
+    state = summary_ops_v2._summary_state  # noqa: SLF001
+    writer, step, recording = state.writer, state.step, state.is_recording
+
+    def install() -> None:
+        state.writer, state.step, state.is_recording = writer, step, recording
+
+    return install
+
+
+def dataset_functions(dataset) -> list:
+    """The traced functions a `tf.data.Dataset` and its inputs hold.
+
+    Each is registered in the eager context and, on a cluster, on every
+    remote task; once the last reference to it is gone, the context removes
+    it from every remote task too. Holding these keeps them registered.
+
+    Uses the private `DatasetV2._functions` and `_inputs`; returns what it
+    finds (nothing where a dataset lacks them).
+    """
+    found, seen, stack = [], set(), [dataset]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        for wrapper in getattr(current, "_functions", lambda: [])():
+            function = getattr(wrapper, "function", None)
+            if function is not None:
+                found.append(function)
+        stack.extend(getattr(current, "_inputs", lambda: [])())
+    return found
+
+
+def cluster_addresses() -> dict[str, str]:
+    """Task name (`/job:<j>/replica:0/task:<i>`) to `host:port`, of the
+    cluster this client is connected to (empty when it is not)."""
+    server_def = context.context().get_server_def()
+    if server_def is None:
+        return {}
+    return {
+        f"/job:{job.name}/replica:0/task:{index}": address
+        for job in server_def.cluster.job
+        for index, address in job.tasks.items()
+    }
+
+
+def reconnect_cluster() -> None:
+    """Reconnects to the same cluster: a restarted task gets a fresh context.
+
+    `update_server_def` compares every task's incarnation with the one the
+    client knew and makes a new remote context on each task that restarted,
+    as `ParameterServerStrategy`'s recovery does; the other tasks keep theirs.
+    """
+    ctx = context.context()
+    ctx.update_server_def(ctx.get_server_def())

@@ -1,0 +1,321 @@
+"""Rewrites of a replica step's graph while it is traced.
+
+`tf.function` offers no public way to change an op once it is made. The
+rewrites here change where ops run (`place_scalars_beside_reads`) and what
+they take as input (`pack_crossings`, and the row reads of `row_reads`),
+through the private `tf.Operation` members named below, and predict the
+control dependencies that `tf.function` adds once the trace ends
+(`successors`). Every value and every dependency stays as traced: only
+placement and the transfers between devices change.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_diffmap.devices import task_parts
+
+# The private members of `tf.Operation` the rewrites use (checked by
+# `checks.compatibility_problems`, exercised by tests/test_tf_internal.py).
+OPERATION_MEMBERS = ("_set_device", "_update_input", "_is_stateful")
+
+
+def set_device(op, device: str) -> None:
+    """Places `op`, made earlier in the graph being traced, on `device`."""
+    op._set_device(device)  # noqa: SLF001
+
+
+def update_input(op, index: int, tensor: tf.Tensor) -> None:
+    """Makes `op`, made earlier in the graph being traced, take `tensor` as
+    its input `index`."""
+    op._update_input(index, tensor)  # noqa: SLF001
+
+
+def is_stateful(op) -> bool:
+    """Whether `op` has side effects, as its op definition says."""
+    return bool(op._is_stateful)  # noqa: SLF001
+
+
+def reroute(old: tf.Tensor, new: tf.Tensor, consumers=None) -> None:
+    """Makes `consumers` (every consumer of `old` by default) take `new`."""
+    for consumer in list(old.consumers() if consumers is None else consumers):
+        for index, tensor in enumerate(consumer.inputs):
+            if tensor is old:
+                update_input(consumer, index, new)
+
+
+def _device_key(name: str | None) -> tuple | None:
+    if not name:
+        return None
+    spec = tf.DeviceSpec.from_string(name)
+    return (*task_parts(name), spec.device_type, spec.device_index)
+
+
+def _place(op, device: tuple) -> None:
+    job, replica, task, device_type, device_index = device
+    set_device(op, tf.DeviceSpec(job, replica, task, device_type, device_index).to_string())
+
+
+def _placed_by_scope(op, away: tuple | None) -> bool:
+    """Whether `op` is where the step's device scope put it, and nothing
+    else (a `colocate_with`) ties it to another op."""
+    if _device_key(op.device) != away:
+        return False
+    try:
+        op.get_attr("_class")
+    except ValueError:
+        return True
+    return False
+
+
+def place_scalars_beside_reads(graph, replica_device: str) -> int:
+    """Places a traced step's scalar ops that use only values read from one
+    other device on that device.
+
+    A replica step is traced on its replica's device, and so is the
+    arithmetic it does on what it reads from the parameter store: a metric's
+    `total / count`, a constant added to a counter. Run on the replica's
+    device, each such scalar travels to it and back, a transfer between
+    devices at every step; run beside the variables it reads, it does not.
+    An op moves when it is stateless, every output is a scalar, and its
+    inputs are values read from variables of one device other than the
+    replica's (or ops that moved there), besides constants; a constant moves
+    with the ops that use it, when they are all there. Only where ops run
+    changes: every value and every dependency stays as traced. Ops of
+    nested graphs (conditionals' branches) are left where they are.
+
+    Uses the private `Operation._set_device` (`set_device`).
+
+    Args:
+        graph: the step's graph, while it is traced (before it becomes a
+            function).
+        replica_device: the replica's device.
+
+    Returns:
+        How many ops moved.
+    """
+    away = _device_key(replica_device)
+    handles = {
+        id(internal): _device_key(external.device)
+        for external, internal in graph.captures
+        if getattr(external, "dtype", None) == tf.resource and getattr(external, "device", "")
+    }
+    constant = object()
+    where: dict[str, object] = {}
+    beside: dict[str, tuple] = {}  # ops placed on a device other than the replica's
+    moved = 0
+    operations = graph.get_operations()
+    for op in operations:
+        if op.type == "ReadVariableOp":
+            where[op.name] = handles.get(id(op.inputs[0]))
+            continue
+        if op.type == "Const":
+            where[op.name] = constant
+            continue
+        if is_stateful(op) or not op.inputs or not op.outputs:
+            if op.inputs and op.inputs[0].dtype == tf.resource:
+                device = handles.get(id(op.inputs[0]))
+                if device is not None and device != away:
+                    beside[op.name] = device
+            continue
+        sources = {where.get(t.op.name) for t in op.inputs} - {constant}
+        if not sources:
+            where[op.name] = constant
+            continue
+        device = sources.pop() if len(sources) == 1 else None
+        scalar = all(t.shape.rank == 0 for t in op.outputs)
+        inherited = _placed_by_scope(op, away)
+        if device is not None and device != away and scalar and inherited:
+            _place(op, device)
+            where[op.name] = device
+            beside[op.name] = device
+            moved += 1
+    # Constants (and ops of constants only) follow their consumers, last first.
+    for op in reversed(operations):
+        if where.get(op.name) is not constant:
+            continue
+        consumers = [c for t in op.outputs for c in t.consumers()]
+        devices = {beside.get(c.name) for c in consumers}
+        inherited = _placed_by_scope(op, away)
+        if consumers and inherited and len(devices) == 1 and None not in devices:
+            device = devices.pop()
+            _place(op, device)
+            beside[op.name] = device
+            moved += 1
+    return moved
+
+
+# Where the ops that pack and unpack the values crossing between tasks are named.
+PACKED_SCOPE = "tf_diffmap_packed"
+
+_PACKED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+# Values above this size travel alone: their transfer's fixed cost is small
+# beside their bytes, and joining them would only copy them once more.
+PACK_MAX_BYTES = 1 << 20
+
+# Ops that run functions: a resource they take does not place them.
+_CALLS = frozenset(
+    {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
+    | {"PartitionedCall", "StatefulPartitionedCall"}
+)
+
+
+def _full_device(name: str | None) -> str | None:
+    """`name` if it names a task and a device completely, else None."""
+    key = _device_key(name)
+    if key is None or None in key:
+        return None
+    return tf.DeviceSpec.from_string(name).to_string()
+
+
+def _runs_on(op, handles: dict[int, str]) -> str | None:
+    """Where the placer will put `op`, when the graph already says so: beside
+    the variable of its resource input, or on its own full device. None
+    when that is for the placer to decide (a `colocate_with`, a partial or
+    empty device, a call of a function or a conditional, whose ops go
+    where their own devices say)."""
+    if op.type in _CALLS:
+        return None
+    for tensor in op.inputs:
+        if tensor.dtype == tf.resource:
+            return handles.get(id(tensor))
+    try:
+        op.get_attr("_class")
+    except ValueError:
+        return _full_device(op.device)
+    return None
+
+
+def successors(operations) -> dict:
+    """Each op's successors: its consumers and control outputs, and the edges
+    that `tf.function`'s automatic control dependencies add once the trace
+    ends (each op on a resource after the previous one on it; stateful ops
+    without a resource one after the other).
+
+    TensorFlow adds those edges only when the trace ends, after the rewrites
+    have run, and has no way to ask for them beforehand: this follows its
+    rule, which `tests/test_tf_internal.py` compares with a traced function.
+    """
+    after: dict = {op: set() for op in operations}
+    last: dict = {}
+    for op in operations:
+        for tensor in op.inputs:
+            if tensor.op in after:
+                after[tensor.op].add(op)
+        for control in op.control_inputs:
+            if control in after:
+                after[control].add(op)
+        keys = [id(t) for t in op.inputs if t.dtype == tf.resource]
+        if not keys and is_stateful(op):
+            keys = ["stateful"]
+        for key in keys:
+            if key in last:
+                after[last[key]].add(op)
+            last[key] = op
+    return after
+
+
+def reaches(after: dict, starts) -> set:
+    seen, stack = set(starts), list(starts)
+    while stack:
+        for nxt in after.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def pack_crossings(graph) -> int:
+    """Makes the values that a traced step sends from one task to another
+    travel as one tensor per pair of devices and dtype.
+
+    On a cluster a replica step reads every parameter from a ps task, sends
+    every gradient back, and sends its metrics' updates to the chief: each
+    value is one transfer between the tasks, a remote call with its own
+    fixed cost on both sides, per value and per update (a convolutional
+    network with batch normalization has dozens of variables). Here the
+    floating-point values that go from one device to a device of another
+    task are flattened and joined where they are made, travel as one
+    tensor, and are cut apart again where they are used: every op that used
+    one of them uses its piece. Only the transfers change: each op runs
+    where and after what it ran before, and the values are the same, bit
+    for bit.
+
+    A pair of devices is packed only where both ends are known as the step
+    is traced (an op beside the variable it reads or writes, or an op with
+    a full device), for values of fully known shape and at most
+    `PACK_MAX_BYTES` (a larger value's bytes outweigh its call), two or more
+    at a time. Joining values makes each wait for all: a value that depends on what is
+    done with another one of its pack (on the far side, or through packs
+    already made) is left out, counting the dependencies that `tf.function`
+    adds between the ops on one resource once the trace ends. Ops of nested
+    graphs (conditionals' branches) are left as they are; they see the
+    pieces through their graph's inputs.
+
+    Uses the private `Operation._update_input` (`update_input`).
+
+    Args:
+        graph: the step's graph, while it is traced (before it becomes a
+            function), or any graph whose ops name their devices.
+
+    Returns:
+        How many values travel packed.
+    """
+    handles = {
+        id(internal): _full_device(external.device)
+        for external, internal in getattr(graph, "captures", ())
+        if getattr(external, "dtype", None) == tf.resource
+    }
+    operations = graph.get_operations()
+    where = {op: _runs_on(op, handles) for op in operations}
+    groups: dict[tuple, dict] = {}
+    for op in operations:
+        source = where[op]
+        if source is None:
+            continue
+        for tensor in op.outputs:
+            if tensor.dtype not in _PACKED_DTYPES or not tensor.shape.is_fully_defined():
+                continue
+            if tensor.shape.num_elements() * tensor.dtype.size > PACK_MAX_BYTES:
+                continue
+            for consumer in tensor.consumers():
+                target = where.get(consumer)
+                if target is None or task_parts(target) == task_parts(source):
+                    continue
+                users = groups.setdefault((source, target, tensor.dtype), {}).setdefault(
+                    tensor.ref(), []
+                )
+                for index, given in enumerate(consumer.inputs):
+                    if given is tensor and (consumer, index) not in users:
+                        users.append((consumer, index))
+    after = successors(operations)
+    packed = 0
+    with graph.as_default(), tf.name_scope(PACKED_SCOPE):
+        for (source, target, _), uses in groups.items():
+            # Leave out what depends on the pack's own consumers, until
+            # nothing does.
+            while len(uses) > 1:
+                downstream = reaches(after, [c for users in uses.values() for c, _ in users])
+                cyclic = [ref for ref in uses if ref.deref().op in downstream]
+                if not cyclic:
+                    break
+                for ref in cyclic:
+                    del uses[ref]
+            if len(uses) < 2:
+                continue
+            values = [ref.deref() for ref in uses]
+            with tf.device(source):
+                joined = tf.concat([tf.reshape(t, [-1]) for t in values], 0)
+            with tf.device(target):
+                pieces = tf.split(joined, [t.shape.num_elements() for t in values])
+                for tensor, piece in zip(values, pieces):
+                    unpacked = tf.reshape(piece, tensor.shape)
+                    for consumer, index in uses[tensor.ref()]:
+                        update_input(consumer, index, unpacked)
+            # Later packs must see this one's dependencies: every consumer
+            # now waits for every value packed.
+            for tensor in values:
+                after[tensor.op].update(c for users in uses.values() for c, _ in users)
+            packed += len(values)
+    return packed

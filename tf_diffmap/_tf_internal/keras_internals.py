@@ -1,0 +1,161 @@
+"""What tf_diffmap reads and changes of Keras' private state.
+
+* Which strategy an optimizer was created under, where it keeps each
+  variable's slots, and which optimizer an update handed to the strategy
+  belongs to (`optimizer_strategy`, `optimizer_slots`, `optimizer_of_update`).
+* SGD's momentum for the length of one traced update (`momentum_of_update`).
+* Whether Keras' `evaluate` or `predict` asks for a distributed dataset,
+  rather than `fit` (`for_keras_inference`).
+
+Keras 3 offers no public way to do any of these; `checks` says when a Keras
+release moves what they rely on, and tests/test_tf_internal.py exercises
+each through Keras itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import keras
+import tensorflow as tf
+
+
+def optimizer_strategy(optimizer: object) -> tf.distribute.Strategy | None:
+    """The strategy a Keras optimizer was created under, or None if it keeps none.
+
+    A Keras optimizer remembers the strategy current when it was created and
+    creates its variables (momentum, moments) under it.
+    """
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+# Where Keras' optimizers keep their slots: per row-update kind, the slot's
+# name in `sparse` and the list attribute of the optimizer that holds it, in
+# the order of the optimizer's variables (`_get_variable_index`).
+OPTIMIZER_SLOTS: dict[type, dict[str, str]] = {
+    keras.optimizers.SGD: {"momentum": "momentums"},
+    keras.optimizers.Adam: {
+        "momentum": "_momentums",
+        "velocity": "_velocities",
+        "velocity_hat": "_velocity_hats",
+    },
+    keras.optimizers.Adagrad: {"accumulator": "_accumulators"},
+    keras.optimizers.Ftrl: {"accumulator": "_accumulators", "linear": "_linears"},
+}
+
+
+def optimizer_slots(optimizer, variable) -> dict[str, tf.Variable]:
+    """The slot variables that `optimizer` keeps for `variable`, by name.
+
+    Uses Keras' private `_get_variable_index` and slot lists (see
+    `OPTIMIZER_SLOTS`), the way each optimizer's own `update_step` does.
+    """
+    index = optimizer._get_variable_index(variable)  # noqa: SLF001
+    for cls, names in OPTIMIZER_SLOTS.items():
+        if isinstance(optimizer, cls):
+            slots = {}
+            for name, attribute in names.items():
+                held = getattr(optimizer, attribute, None)
+                if held:
+                    slot = held[index]
+                    slots[name] = slot.value if isinstance(slot, keras.Variable) else slot
+            return slots
+    return {}
+
+
+def optimizer_of_update(fn) -> object | None:
+    """The Keras optimizer whose update `fn` applies, or None.
+
+    Keras' TensorFlow backend hands each variable's update to the strategy
+    (`extended.update(var, fn, args=(gradient, learning_rate))`) as a
+    function nested in the optimizer's `_distributed_tf_update_step`, which
+    calls `self.update_step`: the optimizer is that function's `self`.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return None
+    for name, cell in zip(code.co_freevars, fn.__closure__, strict=False):
+        if name == "self":
+            try:
+                candidate = cell.cell_contents
+            except ValueError:
+                return None
+            if isinstance(candidate, keras.optimizers.Optimizer):
+                return candidate
+    return None
+
+
+class TracedMomentum:
+    """Stands in for SGD's `momentum` while one of its updates is traced.
+
+    Keras' SGD tests `self.momentum != 0` in Python, then converts it to a
+    tensor (`ops.cast`): this compares as the configured momentum and
+    converts to `tensor`, the momentum chosen for this update, through
+    TensorFlow's conversion protocol (`__tf_tensor__`), so nothing is
+    registered globally.
+    """
+
+    def __init__(self, nominal: float, tensor: tf.Tensor):
+        self.nominal = nominal
+        self.tensor = tensor
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        del name
+        return self.tensor if dtype is None else tf.cast(self.tensor, dtype)
+
+    def __eq__(self, other):
+        return self.nominal == other
+
+    def __ne__(self, other):
+        return self.nominal != other
+
+    def __gt__(self, other):
+        return self.nominal > other
+
+    def __float__(self):
+        return float(self.nominal)
+
+    def __hash__(self):
+        return hash(self.nominal)
+
+
+@contextlib.contextmanager
+def momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
+    """Within, `sgd`'s updates use `momentum` (a tensor) as their momentum.
+
+    Keras' SGD takes its momentum from the Python attribute `momentum` at
+    each update it traces, and has no argument for it: the attribute is
+    swapped for a `TracedMomentum` for the length of the block. Replica
+    steps are traced one at a time (see `replica_step.ReplicaStep`), so this races with
+    nothing.
+    """
+    nominal = sgd.momentum
+    sgd.momentum = TracedMomentum(nominal, momentum)
+    try:
+        yield
+    finally:
+        sgd.momentum = nominal
+
+
+def for_keras_inference() -> bool:
+    """Whether Keras' `evaluate` or `predict` is asking (not `fit`).
+
+    Keras asks the strategy for a distributed dataset from its epoch
+    iterator, made in `fit`, `evaluate` or `predict`, and says nothing of
+    which: the nearest of these on the caller's stack decides. `fit` makes
+    two: its training data's first, then, once its training iterator (its
+    local `epoch_iterator`) exists, the validation data's, which `evaluate`
+    reads.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("keras.") and module.endswith("trainer"):
+            name = frame.f_code.co_name
+            if name in ("evaluate", "predict"):
+                return True
+            if name == "fit":
+                return "epoch_iterator" in frame.f_locals
+        frame = frame.f_back
+    return False
