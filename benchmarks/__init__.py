@@ -15,8 +15,6 @@ reports medians. Modules:
 - `servers`: plain `tf.distribute.Server`s on localhost, for tf-keras'
   ParameterServerStrategy (whose environment has no `tf_diffmap`);
 - `worker`: runs one session (one contender, one device count) and prints JSON;
-- `floor`: the cluster workload's floor, a bare TensorFlow parameter-server
-  loop (no Keras, no input pipeline, no tf_diffmap bookkeeping);
 - `suite`: the command line, calibration, interleaved repeats;
 - `timeline`: the fault timeline's threads (sampling the strategy's counters,
   killing and restarting a worker) and its arithmetic (rates per second);

@@ -18,7 +18,6 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
-    "CONTROL_FLOORS",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
@@ -38,16 +37,12 @@ WORKLOADS = (
     "convergence",
 )
 
-# The control workload's floors (`benchmarks.floor.QueueLoops`): bare loops
-# with a hand-written update, and bare loops of Keras' own train step.
-CONTROL_FLOORS = ("floor_control", "floor_keras_control")
-
 # Contenders that only the cluster workload runs (each brings its own cluster).
-CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server", "floor_cluster")
+CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
 
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
-SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster", "floor_cluster")
+SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +115,8 @@ class Plan:
         control_contenders: the control workload's contenders: plain Keras on
             one device against tf_diffmap on `control_replicas` devices
             (`tf_diffmap_own_devices`: with each replica's ops on its own
-            device, as GPU replicas are, rather than on the host's CPU:0),
-            and the floors on as many (`floor_control`: Keras' loop feeding
-            bare TensorFlow loops, `benchmarks.floor.QueueLoops`;
-            `floor_keras_control`: the same loops applying each shard with
-            Keras' own train step), placed as tf_diffmap places its
-            replicas by default.
-        control_replicas: tf_diffmap's (and the floor's) replicas there.
+            device, as GPU replicas are, rather than on the host's CPU:0).
+        control_replicas: tf_diffmap's replicas there.
         control_batch_size: the global batch size there (a shard of
             `control_batch_size / control_replicas` examples per update).
         control_learning_rate: SGD's learning rate there.
@@ -140,21 +130,17 @@ class Plan:
         control_min_seconds: ... and at least this many seconds.
         cluster_contenders: the cluster workload's contenders: tf_diffmap on a
             localhost cluster, tf_diffmap with the same replicas in one
-            process, tf-keras' ParameterServerStrategy on its own cluster, and
-            the floor: a bare TensorFlow parameter-server loop (no Keras, no
-            input pipeline, no tf_diffmap bookkeeping) on a cluster of the
-            same shape (`benchmarks.floor`).
+            process, and tf-keras' ParameterServerStrategy on its own cluster.
         cluster_workers: worker tasks (one replica each) of both clusters, and
             logical CPU devices of the in-process reference.
         cluster_ps: parameter-server tasks of both clusters.
         cluster_model: a key of `workloads.MODELS` (digits-shaped random data).
         cluster_batch_size: the global batch size there.
-        cluster_update_batch_row: also run tf_diffmap on the cluster and the
-            floor at a global batch of `cluster_batch_size` per worker, so that
-            each of their updates trains on as many examples as a
-            ParameterServerStrategy step (which trains a whole batch on one
-            worker; tf_diffmap and the floor split a step's batch over the
-            workers).
+        cluster_update_batch_row: also run tf_diffmap on the cluster at a
+            global batch of `cluster_batch_size` per worker, so that each of
+            its updates trains on as many examples as a ParameterServerStrategy
+            step (which trains a whole batch on one worker; tf_diffmap splits
+            a step's batch over the workers).
         cluster_examples_per_epoch: examples of one epoch there.
         cluster_min_epochs: a cluster window lasts at least this many epochs...
         cluster_min_seconds: ... and at least this many seconds.
@@ -261,8 +247,6 @@ class Plan:
         "plain_keras",
         "tf_diffmap",
         "tf_diffmap_own_devices",
-        "floor_control",
-        "floor_keras_control",
     )
     control_replicas: int = 4
     control_batch_size: int = 16
@@ -276,7 +260,6 @@ class Plan:
         "tf_diffmap_cluster",
         "tf_diffmap",
         "parameter_server",
-        "floor_cluster",
     )
     cluster_workers: int = 2
     cluster_ps: int = 1
@@ -399,17 +382,12 @@ PRESETS = {
 
 
 def with_cluster_model(plan: Plan, model: str) -> Plan:
-    """`plan` with the cluster workloads on `model` (a key of `workloads.MODELS`);
-    without the floor where it has no such model (it knows the plain MLPs)."""
-    from benchmarks.floor import HIDDEN_UNITS
+    """`plan` with the cluster workloads on `model` (a key of `workloads.MODELS`)."""
     from benchmarks.workloads import MODELS
 
     if model not in MODELS:
         raise ValueError(f"Unknown model {model!r}; expected one of {sorted(MODELS)}.")
-    contenders = tuple(
-        c for c in plan.cluster_contenders if c != "floor_cluster" or model in HIDDEN_UNITS
-    )
-    return dataclasses.replace(plan, cluster_model=model, cluster_contenders=contenders)
+    return dataclasses.replace(plan, cluster_model=model)
 
 
 def steps_per_epoch(plan: Plan, model: str) -> int:
@@ -610,12 +588,8 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
     ]
     out = []
     for contender in plan.control_contenders:
-        if contender in ("plain_keras", *CONTROL_FLOORS):
-            # Plain Keras on one device; the floors on tf_diffmap's devices.
-            replicas = 1 if contender == "plain_keras" else plan.control_replicas
-            out.append(
-                {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
-            )
+        if contender == "plain_keras":
+            out.append({"contender": contender, "replicas": 1, "seed": plan.seed, "tasks": tasks})
         elif contender in ("tf_diffmap", "tf_diffmap_own_devices"):
             # Each replica on its own device: at the first K only, beside
             # the default placement's row.
@@ -634,9 +608,9 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """The same workload on a localhost cluster, in one process, under PSS and
-    as the bare loop (the floor); and tf_diffmap and the floor on the cluster
-    with PSS' examples per update, each right after its own row."""
+    """The same workload on a localhost cluster, in one process and under PSS;
+    and tf_diffmap on the cluster with PSS' examples per update, right after
+    its own row."""
     task = {
         "kind": "cluster",
         "model": plan.cluster_model,

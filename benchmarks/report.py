@@ -17,7 +17,6 @@ from typing import Any
 
 from benchmarks import embeddings, workloads
 from benchmarks.contenders import CONTENDERS, label
-from benchmarks.plan import CONTROL_FLOORS
 from benchmarks.workloads import MODELS
 
 __all__ = ["build", "markdown", "TARGETS"]
@@ -119,85 +118,8 @@ CLUSTER_TARGETS = (
 )
 FAULT_TARGETS = ("fault_outage", "fault_after")
 
-# The cluster workload's ratios with the floor (`benchmarks.floor`): references,
-# not targets. (key, description, numerator, denominator, the target it caps and
-# a short name for it, or None):
-# each side a contender and its global batch, "batch" or "batch x workers" (the
-# examples of a ParameterServerStrategy step in each update). A ratio of the
-# floor to a contender is the most that contender's target could read here if
-# tf_diffmap cost no more than the bare loop.
-CLUSTER_FLOOR = (
-    (
-        "floor_vs_in_process",
-        "Floor / tf_diffmap in one process, same global batch",
-        ("floor_cluster", "batch"),
-        ("tf_diffmap", "batch"),
-        ("cluster_vs_in_process", "cluster / one process"),
-    ),
-    (
-        "cluster_vs_floor",
-        "tf_diffmap on the cluster / the floor, same global batch",
-        ("tf_diffmap_cluster", "batch"),
-        ("floor_cluster", "batch"),
-        None,
-    ),
-    (
-        "cluster_vs_floor_per_update",
-        "tf_diffmap on the cluster / the floor, both at global batch x workers",
-        ("tf_diffmap_cluster", "batch x workers"),
-        ("floor_cluster", "batch x workers"),
-        None,
-    ),
-    (
-        "floor_vs_parameter_server",
-        "Floor / ParameterServerStrategy (tf-keras), same global batch",
-        ("floor_cluster", "batch"),
-        ("parameter_server", "batch"),
-        ("cluster_vs_parameter_server", "cluster / PSS"),
-    ),
-    (
-        "floor_vs_parameter_server_per_update",
-        "Floor at global batch x workers / ParameterServerStrategy (tf-keras): the same "
-        "examples per update",
-        ("floor_cluster", "batch x workers"),
-        ("parameter_server", "batch"),
-        ("cluster_vs_parameter_server_per_update", "cluster / PSS, same examples per update"),
-    ),
-)
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
-
-# The control workload's ratios with its floors (`benchmarks.floor.QueueLoops`):
-# references, not targets. (key, description, numerator, denominator, the
-# target it caps and a short name for it, or None), each side a contender and
-# its rate: a floor's updates/s over plain Keras' steps/s is the most the
-# target beside it could read here if tf_diffmap cost no more than that floor.
-# The floor has a hand-written update; the Keras-step floor runs Keras' own
-# train step in each update, as tf_diffmap does, with none of its bookkeeping.
-CONTROL_FLOOR = tuple(
-    row
-    for spe, target in ((16, "control_spe16"), (1, "control_spe1"))
-    for floor, key, title, name in (
-        ("floor_control", "floor", "Floor", "the floor"),
-        ("floor_keras_control", "keras_floor", "Keras-step floor", "the Keras-step floor"),
-    )
-    for row in (
-        (
-            f"control_{key}_vs_keras_spe{spe}",
-            f"{title} updates/s / plain Keras steps/s, steps_per_execution={spe}",
-            (floor, spe, "updates_per_second"),
-            ("plain_keras", spe, "steps_per_second"),
-            (target, f"control, steps_per_execution={spe}"),
-        ),
-        (
-            f"control_vs_{key}_spe{spe}",
-            f"tf_diffmap / {name} (updates/s), steps_per_execution={spe}",
-            ("tf_diffmap", spe, "updates_per_second"),
-            (floor, spe, "updates_per_second"),
-            None,
-        ),
-    )
-)
 
 
 def _median(values) -> float | None:
@@ -526,9 +448,6 @@ def _cluster(runs) -> list[dict[str, Any]]:
                 ),
                 "cpu_processes": results[0].get("cpu_processes"),
                 "replica_steps": [r.get("replica_steps") for r in results],
-                # The floor's: the ps' Adam step counter against its workers' loops.
-                "updates_applied": [r.get("updates_applied") for r in results],
-                "updates_expected": [r.get("updates_expected") for r in results],
                 "mean_staleness": _median(
                     (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
                 ),
@@ -609,72 +528,6 @@ def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
             f"{plan.cluster_batch_size}",
         ),
     ]
-
-
-def _floor_ratios(table, rate, extra=None) -> list[dict[str, Any]]:
-    """The ratios of a floor table (`CONTROL_FLOOR`, `CLUSTER_FLOOR`), each
-    with the target it caps; `rate(side)` reads one side (None: not run),
-    `extra(numerator, denominator)` adds keys of the workload's own."""
-    targets = {key: (op, value) for key, _, op, value in TARGETS}
-    rows = []
-    for key, text, numerator, denominator, caps in table:
-        op, value = targets[caps[0]] if caps else (None, None)
-        rows.append(
-            {
-                "key": key,
-                "description": text,
-                "measured": _ratio(rate(numerator), rate(denominator)),
-                **(extra(numerator, denominator) if extra else {}),
-                "caps": caps[0] if caps else None,
-                "caps_name": caps[1] if caps else None,
-                "caps_comparison": op,
-                "caps_target": value,
-            }
-        )
-    return rows
-
-
-def _control_floor(control) -> list[dict[str, Any]]:
-    """The ratios of `CONTROL_FLOOR`, with the target each caps (None: not run)."""
-
-    def rate(side):
-        contender, spe, field = side
-        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
-        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
-        return row[field]["median"] if row else None
-
-    return _floor_ratios(CONTROL_FLOOR, rate)
-
-
-def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
-    """The ratios of `CLUSTER_FLOOR`, with the target each caps (None: not run)."""
-    batches = {
-        "batch": plan.cluster_batch_size,
-        "batch x workers": plan.cluster_batch_size * plan.cluster_workers,
-    }
-
-    def eps(side):
-        contender, batch = side
-        row = _find(cluster, contender=contender, batch_size=batches[batch])
-        return row["examples_per_second"]["median"] if row else None
-
-    return _floor_ratios(
-        CLUSTER_FLOOR,
-        eps,
-        lambda numerator, denominator: {
-            "batch_sizes": [batches[numerator[1]], batches[denominator[1]]]
-        },
-    )
-
-
-def _caps_text(row, markdown: bool = True) -> str:
-    """`cluster / one process (target ≥ 0.6x)`, or "" for a row that caps no target."""
-    if not row["caps"]:
-        return ""
-    op = row["caps_comparison"]
-    if markdown:
-        op = "≥" if op == ">=" else "≤"
-    return f"{row['caps_name']} (target {op} {row['caps_target']:.3g}x)"
 
 
 # The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
@@ -999,13 +852,6 @@ def build(
     accuracy = _accuracy(runs, plan.max_staleness)
     control = _control(runs)
     cluster = _cluster(runs)
-    # Without the floor (not run for a model it does not know) there is no table.
-    ran_floor = "cluster" in plan.workloads and "floor_cluster" in plan.cluster_contenders
-    cluster_floor = _cluster_floor(cluster, plan) if ran_floor else []
-    ran_control_floor = "control" in plan.workloads and any(
-        floor in plan.control_contenders for floor in CONTROL_FLOORS
-    )
-    control_floor = _control_floor(control) if ran_control_floor else []
     fault_timeline = _fault_timeline(runs)
     targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
     if "control" in plan.workloads:
@@ -1036,9 +882,7 @@ def build(
         "convergence": _convergence(runs),
         "points": _points(runs),
         "control": control,
-        "control_floor": control_floor,
         "cluster": cluster,
-        "cluster_floor": cluster_floor,
         "fault_timeline": fault_timeline,
         "embeddings": embedding_rows,
         "targets": targets,
@@ -1463,36 +1307,6 @@ def _control_section(results) -> list[str]:
         "timed window (both cores), over the updates applied in it.",
         "",
     ]
-    floor = results.get("control_floor") or []
-    if floor:
-        lines += [
-            "| Against the floor (a reference, not a target) | Measured | Caps the target |",
-            "| --- | --- | --- |",
-            *(f"| {r['description']} | {_ratio_text(r)} | {_caps_text(r)} |" for r in floor),
-            "",
-            "The floor (`benchmarks.floor.QueueLoops`) is the least an asynchronous step of "
-            "this shape costs in TensorFlow's own runtime under Keras' own `fit`: a Keras "
-            "model whose train step only cuts its batch into one shard per device and "
-            "queues them (one `enqueue_many`), and one bare `tf.while_loop` per device, on "
-            f"tf_diffmap's {plan['control_replicas']} devices, that takes up to 32 shards a "
-            "call and applies each as SGD on the `Dense(1)`: the gradient where "
-            "tf_diffmap's replica on the loop's device computes by default (the host's "
-            "`CPU:0` for a logical CPU device), the update beside the parameters (on the "
-            "first device, where tf_diffmap's store is). It has no version counter, no "
-            "staleness or statistics, no count of what is in flight, no outputs, no first "
-            "step, no failure handling, and no Keras in an update (a hand-written gradient "
-            "and two `assign_sub`, where a tf_diffmap update runs Keras' train step). A "
-            "ratio of the floor to plain Keras is what the target beside it would read if "
-            "tf_diffmap cost no more than the floor: below the target, no asynchronous step "
-            "of this shape meets it on this host. The Keras-step floor is the same loops "
-            "with each shard applied by Keras' own train step (`model.train_step`: the "
-            "forward and backward pass, the loss metric and SGD, placed as the floor's "
-            "gradient, the variables on the first device), as a tf_diffmap update runs "
-            "it, and none of "
-            "tf_diffmap's bookkeeping: its ratio to plain Keras is what the target would "
-            "read if tf_diffmap's own work in an update cost nothing.",
-            "",
-        ]
     return lines
 
 
@@ -1525,37 +1339,13 @@ def _cluster_section(results) -> list[str]:
         lines.append("| (not run) | | | | | | |")
     kind = MODELS[plan["cluster_model"]]["description"]
     lines += ["", *_targets_table(results, CLUSTER_TARGETS), ""]
-    floor = results.get("cluster_floor") or []
-    if floor:
-        lines += [
-            "| Against the floor (a reference, not a target) | Measured | Global batches "
-            "| Caps the target |",
-            "| --- | --- | --- | --- |",
-            *(
-                f"| {r['description']} | {_ratio_text(r)} "
-                f"| {r['batch_sizes'][0]} / {r['batch_sizes'][1]} | {_caps_text(r)} |"
-                for r in floor
-            ),
-            "",
-            "The floor (`benchmarks.floor`) is the least an asynchronous parameter-server "
-            "loop costs in TensorFlow's own runtime on a cluster of the same shape: the "
-            "parameters and Adam's slots on the ps task, each worker one `tf.function` "
-            "whose `tf.while_loop` computes the gradient of a fixed batch of "
-            "`batch / workers` examples on the worker and applies Adam beside the "
-            "parameters, the workers' calls at once. It has no input pipeline (a fixed "
-            "batch per worker), no Keras, no metrics and no staleness accounting. A ratio "
-            "of the floor to another contender is what the target beside it would read "
-            "if tf_diffmap cost no more than the floor: below the target, no asynchronous "
-            "parameter-server loop of this shape meets it on this host.",
-            "",
-        ]
     lines += [
         f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}"
         + (
             f" (and {plan['cluster_batch_size'] * plan['cluster_workers']} for tf_diffmap on "
-            "the cluster and the floor: a ParameterServerStrategy step trains a whole batch "
+            "the cluster: a ParameterServerStrategy step trains a whole batch "
             "on one worker, a tf_diffmap step splits its batch over the replicas, one update "
-            "each, as the floor's workers do; at "
+            "each; at "
             f"{plan['cluster_batch_size'] * plan['cluster_workers']} an update trains as many "
             "examples as a ParameterServerStrategy step)"
             if plan.get("cluster_update_batch_row")
@@ -1574,9 +1364,8 @@ def _cluster_section(results) -> list[str]:
         "the wall time of the timed `fit` over the updates the replica applied in it (its "
         "whole cycle: waiting for a shard, the store and gRPC included), median over "
         "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
-        "time over the steps times the workers (an even spread assumed); for the floor, "
-        "which has no `fit`, the wall time of its timed window (epochs of the same "
-        "examples, each a call of every worker's loop) over a worker's updates. CPU: "
+        "time over the steps times the workers (an even spread assumed). "
+        "CPU: "
         "the user and system CPU time of every process the contender trains in (this "
         "process and, on a cluster, each server's), read from `/proc` before and after the "
         "timed window, over the updates applied in it (a ParameterServerStrategy step is "
@@ -1732,8 +1521,7 @@ def _short(device: str) -> str:
 
 
 def control_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: the control path's rates, its two targets, and
-    the ratios with the floor."""
+    """Lines the suite prints: the control path's rates and its two targets."""
     rows = results.get("control") or []
     lines = []
     for row in rows:
@@ -1745,13 +1533,11 @@ def control_summary(results: dict[str, Any]) -> list[str]:
             + f", steps_per_execution={row['steps_per_execution']}: "
             f"{_num(row['updates_per_second']['median'], 0)} {unit}"
         )
-    floor = _floor_lines(results.get("control_floor"))
-    return lines + target_lines(results, CONTROL_TARGETS) + floor
+    return lines + target_lines(results, CONTROL_TARGETS)
 
 
 def cluster_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: examples/s, replica time per update, the targets,
-    and the ratios with the floor."""
+    """Lines the suite prints: examples/s, replica time per update, the targets."""
     lines = [
         f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
         f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
@@ -1764,17 +1550,7 @@ def cluster_summary(results: dict[str, Any]) -> list[str]:
         )
         for row in results.get("cluster") or []
     ]
-    floor = _floor_lines(results.get("cluster_floor"))
-    return lines + target_lines(results, CLUSTER_TARGETS) + floor
-
-
-def _floor_lines(rows) -> list[str]:
-    """The suite's lines for a workload's ratios with its floor."""
-    return [
-        f"  against the floor: {r['description']}: {_ratio_text(r)}"
-        + (f"; caps {_caps_text(r, markdown=False)}" if r["caps"] else "")
-        for r in rows or []
-    ]
+    return lines + target_lines(results, CLUSTER_TARGETS)
 
 
 def target_lines(results, keys) -> list[str]:

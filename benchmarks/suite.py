@@ -528,7 +528,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("mlp_wide", "mlp_deep_bn"),
         default=None,
         help="the model of the cluster workloads (default mlp_wide: 6 variables; "
-        "mlp_deep_bn: 50 small ones, which the floor does not run)",
+        "mlp_deep_bn: 50 small ones)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser

@@ -26,8 +26,7 @@ Tasks:
   compiled with the task's `steps_per_execution`; Keras steps per second and
   (under tf_diffmap) updates per second, from the median epoch.
 - `cluster`: examples per second of the wide MLP on a localhost cluster (or
-  the same replicas in one process), and each replica's time per update;
-  under `floor_cluster`, of the bare TensorFlow loop (`benchmarks.floor`).
+  the same replicas in one process), and each replica's time per update.
 - `fault_timeline` (tf_diffmap on a localhost cluster only): examples/s per
   second of wall time while one worker is killed (SIGKILL) and restarted at
   the same address, per replica, with each process' CPU time (see
@@ -66,7 +65,6 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks import timeline, workloads  # noqa: E402  (import no TensorFlow)
-from benchmarks.plan import CONTROL_FLOORS  # noqa: E402
 
 __all__ = ["RESULT_PREFIX", "run_session", "main"]
 
@@ -521,51 +519,25 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
 
     What is left is the control path: Keras' loop, the strategy's dispatch and
     the replicas' loops. Plain Keras applies one update per step; tf_diffmap
-    one per replica per step (a shard of `batch_size / replicas` examples),
-    and so do the floors (`floor_control`: `benchmarks.floor.QueueLoops`,
-    Keras' loop feeding bare replica loops; `floor_keras_control`: the same
-    loops, each shard applied by Keras' own train step).
+    one per replica per step (a shard of `batch_size / replicas` examples).
     """
     spe, batch_size = task["steps_per_execution"], task["batch_size"]
     examples = task["steps_per_epoch"] * batch_size
     x, y = workloads.control_data(examples, seed)
     rt.keras.utils.set_random_seed(seed)
-    loops = None
-    if rt.name in CONTROL_FLOORS:
-        from benchmarks import floor
-        from tf_diffmap.devices import compute_device
-
-        loops = floor.QueueLoops(
-            rt.keras,
-            rt.devices,
-            batch_size,
-            task["learning_rate"],
-            features=x.shape[1],
-            seed=seed,
-            keras_step=rt.name == "floor_keras_control",
-            # Placed as tf_diffmap places its replicas by default.
-            compute_devices=[compute_device(d) for d in rt.devices],
+    with rt.scope():
+        model = workloads.build_control_model(rt.keras)
+        model.compile(
+            optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
+            loss="mse",
+            steps_per_execution=spe,
         )
-        model = loops.model
-        model.compile(steps_per_execution=spe)
-    else:
-        with rt.scope():
-            model = workloads.build_control_model(rt.keras)
-            model.compile(
-                optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
-                loss="mse",
-                steps_per_execution=spe,
-            )
-    warmup_steps = 2 * spe
-    try:
-        warmup = _warm_up(rt, model, x, y, batch_size, steps=warmup_steps)
-        cpu = time.process_time()
-        out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
-        cpu = time.process_time() - cpu
-    finally:
-        applied = None if loops is None else loops.stop()
+    warmup = _warm_up(rt, model, x, y, batch_size, steps=2 * spe)
+    cpu = time.process_time()
+    out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
+    cpu = time.process_time() - cpu
     steps_per_second = task["steps_per_epoch"] / out["median_epoch_seconds"]
-    updates_per_step = len(rt.devices) if rt.asynchronous or loops is not None else 1
+    updates_per_step = len(rt.devices) if rt.asynchronous else 1
     # The process's CPU over the window (its first epoch included) per update:
     # what an update costs the host, whatever the cores do meanwhile.
     window_steps = (out["epochs"] + 1) * task["steps_per_epoch"]
@@ -581,11 +553,6 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
         # Every epoch of the window and the first one: what the replicas applied.
         out["updates_counted"] = sum(out["replica_steps"])
         out["updates_expected"] = window_steps * updates_per_step
-    elif applied is not None:
-        # The floor's loops, from their first shard (the warm-up's included).
-        out["updates_counted"] = applied
-        out["updates_expected"] = (warmup_steps + window_steps) * updates_per_step
-        out["floor_steps_per_loop"] = loops.steps_per_loop
     return out
 
 
@@ -597,13 +564,7 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     waits included (for a shard, for the store, for gRPC round trips). Under
     ParameterServerStrategy, which reports no per-worker count, it is the
     `fit` time over the steps, times the workers (an even spread assumed).
-    The floor (`floor_cluster`) has no `fit`: `benchmarks.floor` times its
-    loop in the same windows.
     """
-    if rt.name == "floor_cluster":
-        from benchmarks import floor
-
-        return floor.run_cluster(rt, task, seed)
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
     pids = rt.process_ids()
     cpu_start = timeline.processes_cpu_seconds(pids)

@@ -153,9 +153,8 @@ def test_smoke_control_and_cluster(tmp_path):
     """The control and cluster workloads run and report their targets.
 
     The cluster workload starts localhost servers (LocalCluster for
-    tf_diffmap and the floor); ParameterServerStrategy needs tf-keras, which
-    this interpreter may not have, and is then left out with the reason (and
-    the floor's ratios to it are not measured).
+    tf_diffmap); ParameterServerStrategy needs tf-keras, which this
+    interpreter may not have, and is then left out with the reason.
     """
     proc, results = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
     assert results["machine"]["device"] == "cpu"
@@ -170,46 +169,24 @@ def test_smoke_control_and_cluster(tmp_path):
         ("tf_diffmap", 32, 1),
         ("tf_diffmap_own_devices", 32, 16),
         ("tf_diffmap_own_devices", 32, 1),
-        ("floor_control", None, 16),
-        ("floor_control", None, 1),
-        ("floor_keras_control", None, 16),
-        ("floor_keras_control", None, 1),
     }
     for row in results["control"]:
         assert row["updates_per_second"]["median"] > 0
         assert row["cpu_us_per_update"]["median"] > 0
         if row["contender"] != "plain_keras":
-            # tf_diffmap's replicas and the floor's loops: one update per shard.
+            # tf_diffmap's replicas: one update per shard.
             assert row["updates_per_step"] == 4
             assert row["updates_counted"] == row["updates_expected"]
-    control_floor = {r["key"]: r for r in results["control_floor"]}
-    assert set(control_floor) == {
-        f"{name}_spe{spe}"
-        for name in (
-            "control_floor_vs_keras",
-            "control_vs_floor",
-            "control_keras_floor_vs_keras",
-            "control_vs_keras_floor",
-        )
-        for spe in (16, 1)
-    }
-    assert all(r["measured"] > 0 for r in control_floor.values())
-    assert control_floor["control_floor_vs_keras_spe1"]["caps"] == "control_spe1"
-
     batch, workers = results["plan"]["cluster_batch_size"], results["plan"]["cluster_workers"]
     cluster = {(r["contender"], r["batch_size"]): r for r in results["cluster"]}
-    # tf_diffmap on the cluster and the floor also at PSS' examples per update.
-    expected = {
-        (contender, size)
-        for contender in ("tf_diffmap_cluster", "floor_cluster")
-        for size in (batch, batch * workers)
-    }
+    # tf_diffmap on the cluster also at PSS' examples per update.
+    expected = {("tf_diffmap_cluster", batch), ("tf_diffmap_cluster", batch * workers)}
     expected.add(("tf_diffmap", batch))
     if results["tf_keras"]["available"]:
         expected.add(("parameter_server", batch))
     assert set(cluster) == expected
     for key in expected:
-        if key[0] in ("tf_diffmap_cluster", "floor_cluster"):
+        if key[0] == "tf_diffmap_cluster":
             assert all(d.startswith("/job:worker/") for d in cluster[key]["devices"])
             assert len(cluster[key]["devices"]) == workers
     servers = workers + results["plan"]["cluster_ps"]
@@ -220,28 +197,6 @@ def test_smoke_control_and_cluster(tmp_path):
         assert row["cpu_processes"] == (1 if contender == "tf_diffmap" else 1 + servers)
         assert row["cpu_ms_per_update"]["median"] > 0
         assert row["cpu_ms_per_1000_examples"]["median"] > 0
-    for size in (batch, batch * workers):
-        # The floor's ps applied every update its workers' loops ran, warm-up included.
-        floor = cluster[("floor_cluster", size)]
-        assert floor["updates_applied"] == floor["updates_expected"]
-        assert floor["mean_staleness"] is None
-
-    floor_ratios = {r["key"]: r for r in results["cluster_floor"]}
-    assert set(floor_ratios) == {
-        "floor_vs_in_process",
-        "cluster_vs_floor",
-        "cluster_vs_floor_per_update",
-        "floor_vs_parameter_server",
-        "floor_vs_parameter_server_per_update",
-    }
-    measured = {"floor_vs_in_process", "cluster_vs_floor", "cluster_vs_floor_per_update"}
-    if results["tf_keras"]["available"]:
-        measured |= {"floor_vs_parameter_server", "floor_vs_parameter_server_per_update"}
-    for key, row in floor_ratios.items():
-        assert (row["measured"] > 0) if key in measured else (row["measured"] is None)
-    assert floor_ratios["floor_vs_in_process"]["caps"] == "cluster_vs_in_process"
-    assert floor_ratios["cluster_vs_floor_per_update"]["batch_sizes"] == [batch * workers] * 2
-
     targets = {t["key"]: t for t in results["targets"]}
     for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
         assert targets[key]["measured"] > 0 and targets[key]["met"] in (True, False)
@@ -249,14 +204,9 @@ def test_smoke_control_and_cluster(tmp_path):
     assert "cluster_vs_parameter_server_per_update" in targets
     markdown = (tmp_path / "results.md").read_text()
     assert "## Control path" in markdown and "## Cluster" in markdown
-    assert "Against the floor" in markdown
     assert f"({1 + servers} processes)" in markdown
     assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
-    assert "cluster: bare TensorFlow loop (floor)" in proc.stderr
     assert f"ms of CPU per update ({1 + servers} processes)" in proc.stderr
-    assert "against the floor: Floor / tf_diffmap in one process" in proc.stderr
-    assert "against the floor: Floor updates/s / plain Keras steps/s" in proc.stderr
-    assert markdown.count("Against the floor") == 2  # the control workload's, the cluster's
 
 
 @pytest.mark.slow
@@ -319,90 +269,14 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     full = plans.PRESETS["full"]
     deep = plans.with_cluster_model(full, "mlp_deep_bn")
     assert deep.cluster_model == "mlp_deep_bn"
-    assert "floor_cluster" in full.cluster_contenders
-    assert deep.cluster_contenders == tuple(
-        c for c in full.cluster_contenders if c != "floor_cluster"
-    )
+    assert deep.cluster_contenders == full.cluster_contenders
     sessions = plans._cluster_sessions(deep)
     assert {s["tasks"][0]["model"] for s in sessions} == {"mlp_deep_bn"}
-    assert plans.with_cluster_model(full, "mlp_wide").cluster_contenders == full.cluster_contenders
     with pytest.raises(ValueError, match="Unknown model"):
         plans.with_cluster_model(full, "resnet")
     model = build_model(keras, "mlp_deep_bn")
     assert len(model.weights) == 50
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
-
-
-def _fit_applies_every_shard(loops, x, y) -> None:
-    """Two epochs of 32 steps of Keras' `fit` feed the floor's loops, which
-    apply every shard queued: one update per shard, none lost or left."""
-    from benchmarks import workloads
-
-    loops.model.compile(steps_per_execution=2)
-    try:
-        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
-    finally:
-        applied = loops.stop()
-    assert applied == 2 * 32 * len(loops.devices)
-    assert int(loops.queue.size()) == 0
-
-
-def test_control_floor_applies_every_shard_it_queued_as_sgd():
-    """The control workload's floor: Keras' loop queues shards, bare loops train on them."""
-    import keras
-    import tensorflow as tf
-
-    from benchmarks import floor, workloads
-
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    x, y = workloads.control_data(16 * 32, seed=1)
-    loops = floor.QueueLoops(keras, devices, 16, 0.05, features=8, steps_per_loop=4, seed=1)
-
-    def mse():
-        return float(tf.reduce_mean(tf.square(x @ loops.kernel + loops.bias - y)))
-
-    before = mse()
-    _fit_applies_every_shard(loops, x, y)
-    assert mse() < 0.2 * before  # SGD on the shards: the linear target is learned
-    # Each loop computes its gradients on its own device, as a replica step.
-    assert loops.gradient_devices == {
-        device: {tf.DeviceSpec.from_string(device).to_string()} for device in devices
-    }
-    # Placed as tf_diffmap's CPU replicas are: every gradient on the host.
-    host = tf.DeviceSpec.from_string(devices[0]).to_string()
-    placed = floor.QueueLoops(keras, devices, 16, 0.05, features=8, compute_devices=[host] * 4)
-    assert placed.gradient_devices == {device: {host} for device in devices}
-    with pytest.raises(ValueError, match="multiple of the devices"):
-        floor.QueueLoops(keras, devices, 18, 0.05, features=8)
-
-
-def test_keras_step_floor_runs_keras_train_step_on_every_shard():
-    """The Keras-step floor: each queued shard is one Keras train step, on its loop's device."""
-    import keras
-    import tensorflow as tf
-
-    from benchmarks import floor, workloads
-
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    x, y = workloads.control_data(16 * 32, seed=2)
-    loops = floor.QueueLoops(
-        keras, devices, 16, 0.05, features=8, steps_per_loop=4, seed=2, keras_step=True
-    )
-    stepping = loops.stepping_model
-
-    def mse():
-        return float(tf.reduce_mean(tf.square(stepping(x) - y)))
-
-    before = mse()
-    steps_before = int(stepping.optimizer.iterations)
-    _fit_applies_every_shard(loops, x, y)
-    # Keras' own optimizer stepped (its counter is shared without a lock by
-    # the loops, so it may count fewer) and trained the model on the shards.
-    assert int(stepping.optimizer.iterations) > steps_before
-    assert mse() < 0.2 * before
-    # The train step's forward and backward ops are on each loop's own device.
-    for device in devices:
-        assert tf.DeviceSpec.from_string(device).to_string() in loops.gradient_devices[device]
 
 
 def _convergence_row(accuracies, staleness=None):
