@@ -1,125 +1,159 @@
-"""From raw session results to medians, the issue's targets and `results.md`.
+"""From the sessions' results to medians, targets and tables.
 
-Every figure in the report is a median over the repeats of a run (with the
-smallest and largest value beside it); ratios are ratios of medians. Targets
-are reported, never asserted: each row says what was measured, the target,
-and whether it was met.
+`build` makes the results document (`results.json`): per workload, rows of
+medians over the rounds (a *spread* is a figure's median, min, max and
+values), and `targets`, one record per target: its figure, threshold and
+whether it was met, or why it was not measured. `tables` lays the rows out
+as tables (a title, named columns, rows keyed by column, short notes) and
+`render` writes any table as Markdown. What each workload measures and how
+to read its table is in `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
-from benchmarks import embeddings, workloads
+from benchmarks import workloads
 from benchmarks.contenders import CONTENDERS, label
-from benchmarks.workloads import MODELS
 
-__all__ = ["build", "markdown", "TARGETS"]
+__all__ = ["TARGETS", "build", "tables", "render", "markdown", "cell", "met"]
 
-SCHEMA = 1
+SCHEMA = 2
 
-# (key, description, comparison, threshold)
-TARGETS = (
-    ("overhead", "Overhead, 1 replica: tf_diffmap / plain Keras throughput", ">=", 1.0),
-    (
-        "even_vs_mirrored",
+# key: (description, comparison, threshold, unit). `fault_outage`'s threshold
+# is set from the plan: the surviving workers' share, (W - 1) / W.
+TARGETS = {
+    "overhead": ("Overhead, 1 replica: tf_diffmap / plain Keras throughput", ">=", 1.0, "x"),
+    "even_vs_mirrored": (
         "Even replicas, 4 replicas: tf_diffmap / MirroredStrategy throughput",
         ">=",
         3.0,
+        "x",
     ),
-    (
-        "even_vs_central",
+    "even_vs_central": (
         "Even replicas, 4 replicas: tf_diffmap / CentralStorageStrategy (tf-keras) throughput",
         ">=",
         1.0,
+        "x",
     ),
-    (
-        "straggler_vs_mirrored",
+    "straggler_vs_mirrored": (
         "Straggler (4 replicas, one 4x slower): tf_diffmap / MirroredStrategy throughput",
         ">=",
         5.0,
+        "x",
     ),
-    (
-        "straggler_retention",
+    "straggler_retention": (
         "Straggler (4 replicas, one 4x slower): tf_diffmap / its own no-straggler throughput",
         ">=",
         0.85,
+        "x",
     ),
-    (
-        "tta_vs_mirrored",
+    "tta_vs_mirrored": (
         "Time to 97% on digits with a straggler: tf_diffmap / MirroredStrategy",
         "<=",
         0.5,
+        "x",
     ),
-    (
-        "final_accuracy_gap",
+    "final_accuracy_gap": (
         "Final accuracy on digits with a straggler: tf_diffmap minus MirroredStrategy, in points",
         ">=",
         -0.5,
+        " points",
     ),
-    (
-        "control_spe16",
+    "control_spe16": (
         "Control path, steps_per_execution=16: tf_diffmap updates/s / plain Keras steps/s",
         ">=",
         1.0,
+        "x",
     ),
-    (
-        "control_spe1",
+    "control_spe1": (
         "Control path, steps_per_execution=1: tf_diffmap updates/s / plain Keras steps/s",
         ">=",
         2.5,
+        "x",
     ),
-    (
-        "cluster_vs_in_process",
+    "cluster_vs_in_process": (
         "Cluster: tf_diffmap on the localhost cluster / the same replicas in one process",
         ">=",
         0.6,
+        "x",
     ),
-    (
-        "cluster_vs_parameter_server",
+    "cluster_vs_parameter_server": (
         "Cluster: tf_diffmap / ParameterServerStrategy (tf-keras) on the same cluster shape",
         ">=",
         3.0,
+        "x",
     ),
-    (
-        "cluster_vs_parameter_server_per_update",
+    "cluster_vs_parameter_server_per_update": (
         "Cluster: tf_diffmap, each update on as many examples as a ParameterServerStrategy "
         "step (global batch x workers) / ParameterServerStrategy",
         ">=",
         3.0,
+        "x",
     ),
-    # The threshold of fault_outage is the surviving workers' share, (W - 1) / W:
-    # 2/3 with the presets' 3 workers (`_fault_targets` sets it from the plan).
-    (
-        "fault_outage",
+    "fault_outage": (
         "Fault timeline: examples/s while a worker is down / before it was killed",
         ">=",
         2 / 3,
+        "x",
     ),
-    (
-        "fault_after",
+    "fault_after": (
         "Fault timeline: examples/s after the restarted worker rejoined / before it was killed",
         ">=",
         0.95,
+        "x",
     ),
-)
-
-# The targets each workload's own section shows (the rest are the timed ones).
-CONTROL_TARGETS = ("control_spe16", "control_spe1")
-CLUSTER_TARGETS = (
-    "cluster_vs_in_process",
-    "cluster_vs_parameter_server",
-    "cluster_vs_parameter_server_per_update",
-)
-FAULT_TARGETS = ("fault_outage", "fault_after")
+    "embedding_scaling": (
+        "Embeddings, SGD: tf_diffmap's examples/s at the largest table / at the smallest",
+        ">=",
+        0.8,
+        "x",
+    ),
+    "embedding_vs_keras": (
+        "Embeddings, SGD, largest table: tf_diffmap / plain Keras examples/s",
+        ">=",
+        1.0,
+        "x",
+    ),
+    "embedding_cluster": (
+        "Embeddings on a localhost cluster, the table split over the ps tasks: tf_diffmap / "
+        "ParameterServerStrategy (tf-keras) examples/s, the worst over optimizers",
+        ">=",
+        1.0,
+        "x",
+    ),
+    "embedding_accuracy": (
+        "Embeddings: best validation accuracy over the epochs, tf_diffmap minus plain Keras, "
+        "the worst over optimizers and table sizes (points)",
+        ">=",
+        -1.0,
+        " pt",
+    ),
+}
 
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
+# A convergence run below this accuracy collapsed (chance is 0.1 on digits).
+COLLAPSED = 0.5
+# The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
+FAULT_WINDOWS = ("before", "outage", "restarting", "after")
+FAULT_DELAYS = (
+    ("seconds_kill_to_lost", "kill → replica marked lost, s"),
+    ("seconds_restart_to_serving", "restart → new server serves, s"),
+    ("seconds_serving_to_rejoin", "serves → replica rejoined, s"),
+    ("seconds_restart_to_rejoin", "restart → rejoined, s"),
+    ("seconds_rejoin_to_first_update", "rejoined → its first update, s"),
+    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate, s"),
+)
+NO_TF_KERAS = "tf-keras not available (see the run table)"
+
+
+# -- Rows: medians over the rounds ----------------------------------------------
 
 
 def _median(values) -> float | None:
@@ -131,101 +165,109 @@ def _spread(values) -> dict[str, Any]:
     values = [v for v in values if v is not None]
     return {
         "median": _median(values),
-        "min": min(values) if values else None,
-        "max": max(values) if values else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
         "values": values,
     }
 
 
-def _tasks(runs, kind: str) -> Iterator[tuple[dict, dict, dict]]:
-    """(session result, task, task result) of every successful task of a kind."""
+def _tasks(runs, kind: str):
+    """(session result, task, task result, session config) of every task of
+    `kind` that succeeded."""
     for run in runs:
-        session = run["result"]
-        for entry in session.get("tasks", []):
+        for entry in run["result"].get("tasks", []):
             if entry["task"]["kind"] == kind and entry["result"].get("status") == "ok":
-                yield session, entry["task"], entry["result"]
+                yield run["result"], entry["task"], entry["result"], run["config"]
+
+
+def _groups(runs, kind: str, key) -> dict[tuple, list]:
+    """Task results of `kind` grouped by `key(session, task, result, config)`."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for session, task, result, config in _tasks(runs, kind):
+        groups[key(session, task, result, config)].append({**result, "_task": task})
+    return groups
+
+
+def _staleness(results, field: str = "overall_mean_staleness") -> float | None:
+    return _median((r.get("staleness") or {}).get(field) for r in results)
+
+
+def _share0(result) -> float | None:
+    steps = result.get("replica_steps")
+    return steps[0] / sum(steps) if steps and sum(steps) else None
+
+
+def _order(contender: str) -> int:
+    return list(CONTENDERS).index(contender)
+
+
+def _find(rows, **match):
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
 
 
 def _errors(runs) -> list[dict[str, Any]]:
     out = []
     for run in runs:
-        session = run["result"]
+        session, config = run["result"], run["config"]
         where = {
             "round": run["round"] + 1,
-            "contender": run["config"]["contender"],
-            "replicas": run["config"]["replicas"],
+            "contender": config["contender"],
+            "replicas": config["replicas"],
         }
         if session.get("status") != "ok":
-            out.append(
-                {
-                    **where,
-                    "task": None,
-                    "error": session.get("error"),
-                    "detail": session.get("stderr_tail") or session.get("traceback"),
-                }
-            )
+            detail = session.get("stderr_tail") or session.get("traceback")
+            out.append({**where, "task": None, "error": session.get("error"), "detail": detail})
             continue
         for entry in session.get("tasks", []):
-            if entry["result"].get("status") != "ok":
+            result = entry["result"]
+            if result.get("status") != "ok":
                 out.append(
                     {
                         **where,
                         "task": entry["task"]["kind"],
-                        "error": entry["result"].get("error"),
-                        "detail": entry["result"].get("traceback"),
+                        "error": result.get("error"),
+                        "detail": result.get("traceback"),
                     }
                 )
     return out
 
 
-def _share0(result) -> float | None:
-    steps = result.get("replica_steps")
-    if not steps or not sum(steps):
-        return None
-    return steps[0] / sum(steps)
-
-
 def _throughput(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "throughput"):
-        key = (
-            task["model"],
-            task.get("input", "dataset"),
-            session["replicas"],
-            session["contender"],
-        )
-        groups[key].append(result)
-    rows = []
-    for (model, input_, replicas, contender), results in sorted(groups.items()):
-        rows.append(
-            {
-                "model": model,
-                "input": input_,
-                "replicas": replicas,
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "examples_per_second": _spread(r["examples_per_second"] for r in results),
-                "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
-                "warmup_seconds": _median(r["warmup_seconds"] for r in results),
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
-                "runs": len(results),
-            }
-        )
-    return rows
+    groups = _groups(
+        runs,
+        "throughput",
+        lambda s, t, r, c: (t["model"], t.get("input", "dataset"), s["replicas"], s["contender"]),
+    )
+    return [
+        {
+            "model": model,
+            "input": input_,
+            "replicas": replicas,
+            "contender": contender,
+            "label": label(contender, max_staleness),
+            "examples_per_second": _spread(r["examples_per_second"] for r in results),
+            "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
+            "warmup_seconds": _median(r["warmup_seconds"] for r in results),
+            "mean_staleness": _staleness(results),
+            "runs": len(results),
+        }
+        for (model, input_, replicas, contender), results in sorted(groups.items())
+    ]
 
 
 def _straggler(runs, max_staleness) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, _, result in _tasks(runs, "straggler"):
+    for session, _, result, _ in _tasks(runs, "straggler"):
         for slowdown, window in result["windows"].items():
             groups[(session["replicas"], session["contender"], int(slowdown))].append(window)
     rows = []
     for (replicas, contender, slowdown), windows in sorted(groups.items()):
-        base = groups.get((replicas, contender, 1))
+        base = _median(w["examples_per_second"] for w in groups.get((replicas, contender, 1), []))
         eps = _spread(w["examples_per_second"] for w in windows)
-        base_eps = _median(w["examples_per_second"] for w in base) if base else None
         rows.append(
             {
                 "replicas": replicas,
@@ -235,11 +277,9 @@ def _straggler(runs, max_staleness) -> list[dict[str, Any]]:
                 "delay_seconds": _median(w["delay_seconds"] for w in windows),
                 "examples_per_second": eps,
                 "epoch_seconds": _spread(w["median_epoch_seconds"] for w in windows),
-                "retention": eps["median"] / base_eps if base_eps and eps["median"] else None,
+                "retention": _ratio(eps["median"], base),
                 "replica0_share": _median(_share0(w) for w in windows),
-                "mean_staleness": _median(
-                    (w.get("staleness") or {}).get("overall_mean_staleness") for w in windows
-                ),
+                "mean_staleness": _staleness(windows),
                 "runs": len(windows),
             }
         )
@@ -252,37 +292,32 @@ def _reached_median(values: list[float | None]) -> float | None:
         return None
     ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
     middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
-    if any(v is None for v in middle):
-        return None
-    return sum(middle) / len(middle)
+    return None if None in middle else sum(middle) / len(middle)
 
 
 def _accuracy(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "accuracy"):
-        key = (
-            session["contender"],
-            session["replicas"],
-            task.get("rule"),
-            bool(task.get("straggler")),
-        )
-        groups[key].append({**result, "_task": task})
+    groups = _groups(
+        runs,
+        "accuracy",
+        lambda s, t, r, c: (s["contender"], s["replicas"], t.get("rule"), bool(t["straggler"])),
+    )
     rows = []
     for (contender, replicas, rule, straggler), results in groups.items():
-        targets = [str(t) for t in results[0]["_task"]["targets"]]
+        task = results[0]["_task"]
+        targets = [str(t) for t in task["targets"]]
         stale = [r.get("staleness") or {} for r in results]
-        updates = [sum(s.get("updates", [])) for s in stale]
-        dropped = [sum(s.get("dropped", [])) for s in stale]
+        updates = sum(sum(s.get("updates", [])) for s in stale)
+        dropped = sum(sum(s.get("dropped", [])) for s in stale)
         rows.append(
             {
                 "contender": contender,
                 "label": label(contender, max_staleness),
                 "replicas": replicas,
                 "rule": rule,
-                "drop_above": results[0]["_task"].get("drop_above"),
+                "drop_above": task.get("drop_above"),
                 "straggler": straggler,
-                "delay_seconds": results[0]["_task"].get("delay"),
-                "epochs": results[0]["_task"]["epochs"],
+                "delay_seconds": task.get("delay"),
+                "epochs": task["epochs"],
                 "seconds_to": {
                     t: _reached_median([r["seconds_to"].get(t) for r in results]) for t in targets
                 },
@@ -295,147 +330,116 @@ def _accuracy(runs, max_staleness) -> list[dict[str, Any]]:
                 "final_accuracy": _spread(r["final_accuracy"] for r in results),
                 "best_accuracy": _median(r["best_accuracy"] for r in results),
                 "train_seconds": _median(r["train_seconds"] for r in results),
-                "mean_staleness": _median(s.get("overall_mean_staleness") for s in stale),
+                "mean_staleness": _staleness(results),
                 "max_staleness": max(
                     (s.get("overall_max_staleness") for s in stale if s), default=None
                 ),
-                "dropped_fraction": (sum(dropped) / (sum(updates) + sum(dropped)))
-                if stale[0] and (sum(updates) + sum(dropped))
+                "dropped_fraction": dropped / (updates + dropped)
+                if stale[0] and updates + dropped
                 else None,
                 "replica0_share": _median(_share0(r) for r in results),
                 "histories": [r["history"] for r in results],
                 "runs": len(results),
             }
         )
-    order = {name: i for i, name in enumerate(CONTENDERS)}
     rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}
-    rows.sort(key=lambda r: (not r["straggler"], order[r["contender"]], rules.get(r["rule"], 9)))
+    rows.sort(key=lambda r: (not r["straggler"], _order(r["contender"]), rules.get(r["rule"], 9)))
     return rows
 
 
 def _convergence(runs) -> list[dict[str, Any]]:
     """Per regime, model, optimizer and rule: final accuracy and staleness over the seeds."""
-    groups: dict[tuple, list[dict]] = {}
-    for run in runs:
-        regime = run["config"].get("regime")
-        for entry in run["result"].get("tasks", []):
-            task, result = entry["task"], entry["result"]
-            if task["kind"] != "convergence" or result.get("status") != "ok":
-                continue
-            key = (regime, task["model"], task["optimizer"], task.get("rule"))
-            groups.setdefault(key, []).append(result)
-    rows = []
-    for (regime, model, optimizer, rule), results in groups.items():
-        stats = [r.get("staleness") or {} for r in results]
-        rows.append(
-            {
-                "regime": regime,
-                "model": model,
-                "optimizer": optimizer,
-                "rule": rule,
-                "final_accuracy": _spread([r["final_accuracy"] for r in results]),
-                "mean_staleness": _spread([s.get("overall_mean_staleness") for s in stats]),
-                "max_staleness": max(
-                    (s["overall_max_staleness"] for s in stats if "overall_max_staleness" in s),
-                    default=None,
+    groups = _groups(
+        runs,
+        "convergence",
+        lambda s, t, r, c: (c.get("regime"), t["model"], t["optimizer"], t.get("rule")),
+    )
+    return [
+        {
+            "regime": regime,
+            "model": model,
+            "optimizer": optimizer,
+            "rule": rule,
+            "final_accuracy": _spread(r["final_accuracy"] for r in results),
+            "mean_staleness": _spread(
+                (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
+            ),
+            "max_staleness": max(
+                (
+                    r["staleness"]["overall_max_staleness"]
+                    for r in results
+                    if (r.get("staleness") or {}).get("overall_max_staleness") is not None
                 ),
-                "momentum_warning": any(r.get("momentum_warning") for r in results),
-            }
-        )
-    return rows
+                default=None,
+            ),
+            "momentum_warning": any(r.get("momentum_warning") for r in results),
+        }
+        for (regime, model, optimizer, rule), results in groups.items()
+    ]
 
 
 def _points(runs) -> list[dict[str, Any]]:
     """The cost of batch-level staleness points, per device count."""
-    groups: dict[int, list[dict]] = defaultdict(list)
-    for _, _, result in _tasks(runs, "points"):
-        groups[result["replicas"]].append(result)
-    out = []
-    for replicas, results in sorted(groups.items()):
-        first = results[0]
-        out.append(
-            {
-                "replicas": replicas,
-                "batches_per_fit": first["batches_per_fit"],
-                "points_per_run": [r["points"] for r in results],
-                "ms_per_batch": _spread(r["ms_per_batch"] for r in results),
-                "point_cpu_ms": _spread(r["point_cpu_ms_median"] for r in results),
-                "point_cpu_ms_p90": _spread(r["point_cpu_ms_p90"] for r in results),
-                "snapshots_overhead": _spread(r["snapshots_overhead"] for r in results),
-                "every_point_overhead": _spread(r["every_point_overhead"] for r in results),
-                "budget_overhead": _spread(r["budget_overhead"] for r in results),
-                "budget_points": _spread(p for r in results for p in r["budget_points"]),
-            }
-        )
-    return out
-
-
-def points_summary(results: dict[str, Any]) -> list[str]:
-    """One line per device count: what a staleness point costs (printed by the suite)."""
-    lines = []
-    for row in results.get("points", []):
-        lines.append(
-            f"staleness points, {row['replicas']} replicas: "
-            f"{_num(row['point_cpu_ms']['median'], 3)} ms of CPU per point (median; p90 "
-            f"{_num(row['point_cpu_ms_p90']['median'], 3)} ms) against "
-            f"{_num(row['ms_per_batch']['median'], 1)} ms per batch; with the default "
-            f"budget, {_num(row['budget_points']['median'], 0)} points for "
-            f"{row['batches_per_fit']} batches"
-        )
-    return lines
+    groups = _groups(runs, "points", lambda s, t, r, c: r["replicas"])
+    return [
+        {
+            "replicas": replicas,
+            "batches_per_fit": results[0]["batches_per_fit"],
+            "points_per_run": [r["points"] for r in results],
+            "ms_per_batch": _spread(r["ms_per_batch"] for r in results),
+            "point_cpu_ms": _spread(r["point_cpu_ms_median"] for r in results),
+            "point_cpu_ms_p90": _spread(r["point_cpu_ms_p90"] for r in results),
+            "snapshots_overhead": _spread(r["snapshots_overhead"] for r in results),
+            "every_point_overhead": _spread(r["every_point_overhead"] for r in results),
+            "budget_overhead": _spread(r["budget_overhead"] for r in results),
+            "budget_points": _spread(p for r in results for p in r["budget_points"]),
+        }
+        for replicas, results in sorted(groups.items())
+    ]
 
 
 def _control(runs) -> list[dict[str, Any]]:
     """Per contender, K and steps_per_execution: Keras steps/s and updates/s."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "control"):
-        key = (session["contender"], result.get("steps_per_loop"), task["steps_per_execution"])
-        groups[key].append(result)
-    order = {name: i for i, name in enumerate(CONTENDERS)}
-    rows = []
-    for (contender, k, spe), results in sorted(
-        groups.items(), key=lambda item: (order[item[0][0]], -(item[0][1] or 0), -item[0][2])
-    ):
-        rows.append(
-            {
-                "contender": contender,
-                "label": label(contender),
-                "steps_per_loop": k,
-                "steps_per_execution": spe,
-                "updates_per_step": results[0].get("updates_per_step"),
-                "steps_per_second": _spread(r["steps_per_second"] for r in results),
-                "updates_per_second": _spread(r["updates_per_second"] for r in results),
-                "cpu_us_per_update": _spread(r.get("cpu_us_per_update") for r in results),
-                "updates_counted": [r.get("updates_counted") for r in results],
-                "updates_expected": [r.get("updates_expected") for r in results],
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
-                "runs": len(results),
-            }
+    groups = _groups(
+        runs,
+        "control",
+        lambda s, t, r, c: (s["contender"], r.get("steps_per_loop"), t["steps_per_execution"]),
+    )
+    return [
+        {
+            "contender": contender,
+            "label": label(contender),
+            "steps_per_loop": k,
+            "steps_per_execution": spe,
+            "updates_per_step": results[0].get("updates_per_step"),
+            "steps_per_second": _spread(r["steps_per_second"] for r in results),
+            "updates_per_second": _spread(r["updates_per_second"] for r in results),
+            "cpu_us_per_update": _spread(r.get("cpu_us_per_update") for r in results),
+            "updates_counted": [r.get("updates_counted") for r in results],
+            "updates_expected": [r.get("updates_expected") for r in results],
+            "mean_staleness": _staleness(results),
+            "runs": len(results),
+        }
+        for (contender, k, spe), results in sorted(
+            groups.items(), key=lambda i: (_order(i[0][0]), -(i[0][1] or 0), -i[0][2])
         )
-    return rows
+    ]
 
 
 def _cluster(runs) -> list[dict[str, Any]]:
-    """Per contender: examples/s of the cluster workload and a replica's time per update."""
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "cluster"):
-        groups[session["contender"], task["batch_size"]].append(
-            {**result, "_devices": session.get("devices")}
-        )
-    order = {name: i for i, name in enumerate(CONTENDERS)}
+    """Per contender and global batch: examples/s and a replica's time per update."""
+    groups = _groups(runs, "cluster", lambda s, t, r, c: (s["contender"], t["batch_size"]))
     rows = []
-    for (contender, batch_size), results in sorted(
-        groups.items(), key=lambda item: (order[item[0][0]], item[0][1])
+    for (contender, batch), results in sorted(
+        groups.items(), key=lambda i: (_order(i[0][0]), i[0][1])
     ):
         name = "tf_diffmap, one process" if contender == "tf_diffmap" else label(contender)
         rows.append(
             {
                 "contender": contender,
-                "batch_size": batch_size,
-                "label": f"{name}, batch {batch_size}",
-                "devices": results[0]["_devices"],
+                "batch_size": batch,
+                "label": f"{name}, batch {batch}",
+                "devices": results[0]["devices"],
                 "examples_per_second": _spread(r["examples_per_second"] for r in results),
                 "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
                 "replica_ms_per_update": _spread(
@@ -448,9 +452,7 @@ def _cluster(runs) -> list[dict[str, Any]]:
                 ),
                 "cpu_processes": results[0].get("cpu_processes"),
                 "replica_steps": [r.get("replica_steps") for r in results],
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
+                "mean_staleness": _staleness(results),
                 "warmup_seconds": _median(r["warmup_seconds"] for r in results),
                 "runs": len(results),
             }
@@ -458,146 +460,55 @@ def _cluster(runs) -> list[dict[str, Any]]:
     return rows
 
 
-def _target(
-    key: str,
-    measured,
-    note: str = "",
-    target: float | None = None,
-    table=TARGETS,
-    unit: str = "x",
-    model: str | None = None,
-) -> dict[str, Any]:
-    text, op, value = next((d, o, v) for k, d, o, v in table if k == key)
-    value = value if target is None else target
-    met = None if measured is None else (measured >= value if op == ">=" else measured <= value)
-    return {
-        "key": key,
-        "model": model,
-        "input": "dataset",
-        "description": text,
-        "measured": measured,
-        "comparison": op,
-        "target": value,
-        "unit": unit,
-        "met": met,
-        "note": note,
-    }
-
-
-def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
-    unit = " pt" if key == "embedding_accuracy" else "x"
-    return _target(key, measured, note, table=embeddings.TARGETS, unit=unit, model="embeddings")
-
-
-def _control_targets(control) -> list[dict[str, Any]]:
-    def rate(contender, spe, field):
-        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
-        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
-        return row[field]["median"] if row else None
-
-    return [
-        _target(
-            key,
-            _ratio(
-                rate("tf_diffmap", spe, "updates_per_second"),
-                rate("plain_keras", spe, "steps_per_second"),
-            ),
-            note=f"tf_diffmap at its default steps_per_loop={DEFAULT_STEPS_PER_LOOP}",
-        )
-        for key, spe in (("control_spe16", 16), ("control_spe1", 1))
-    ]
-
-
-def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
-    def eps(contender, batch_size=plan.cluster_batch_size):
-        row = _find(cluster, contender=contender, batch_size=batch_size)
-        return row["examples_per_second"]["median"] if row else None
-
-    ours = eps("tf_diffmap_cluster")
-    pss = eps("parameter_server")
-    per_update = plan.cluster_batch_size * plan.cluster_workers
-    missing = "" if tf_keras.get("available") else "tf-keras not available (see above)"
-    return [
-        _target("cluster_vs_in_process", _ratio(ours, eps("tf_diffmap"))),
-        _target("cluster_vs_parameter_server", _ratio(ours, pss), note=missing),
-        _target(
-            "cluster_vs_parameter_server_per_update",
-            _ratio(eps("tf_diffmap_cluster", per_update), pss),
-            note=missing
-            or f"tf_diffmap at global batch {per_update}, ParameterServerStrategy at "
-            f"{plan.cluster_batch_size}",
-        ),
-    ]
-
-
-# The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
-FAULT_WINDOWS = ("before", "outage", "restarting", "after")
-FAULT_DELAYS = (
-    ("seconds_kill_to_lost", "kill → replica marked lost"),
-    ("seconds_restart_to_serving", "restart → new server serves"),
-    ("seconds_serving_to_rejoin", "serves → replica rejoined"),
-    ("seconds_restart_to_rejoin", "restart → rejoined"),
-    ("seconds_rejoin_to_first_update", "rejoined → its first update"),
-    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate"),
-)
-
-
 def _fault_timeline(runs) -> list[dict[str, Any]]:
-    """The fault timeline: medians over runs of each window's rate and each delay.
-
-    Every run's own series (per bin: examples/s, per replica, CPU cores of
-    each process) is kept in `timelines`, for the plot.
-    """
-    results = [{**result, "_task": task} for _, task, result in _tasks(runs, "fault_timeline")]
+    """Medians over the runs of each window's rate and each delay; every
+    run's own series (per bin) in `timelines`, for the plot."""
+    results = [{**r, "_task": t} for _, t, r, _ in _tasks(runs, "fault_timeline")]
     if not results:
         return []
-    task = results[0]["_task"]
+    first, task = results[0], results[0]["_task"]
     summaries = [r["summary"] for r in results]
+    lost = first["lost_replicas"]
 
-    def window(name, field):
-        return _spread(s["windows"][name][field] for s in summaries)
+    def window(name):
+        found = [s["windows"][name] for s in summaries]
+        per_replica = [
+            w["replica_examples_per_second"] for w in found if w["replica_examples_per_second"]
+        ]
+        processes = list(dict.fromkeys(n for w in found for n in w["cpu_cores"]))
+        return {
+            "examples_per_second": _spread(w["examples_per_second"] for w in found),
+            "min_examples_per_second": _spread(w["min_examples_per_second"] for w in found),
+            "bin_cv": _median(w["bin_cv"] for w in found),
+            "bins": _median(w["bins"] for w in found),
+            "replica_examples_per_second": [
+                _median(v[i] for v in per_replica) for i in range(len(per_replica[0]))
+            ]
+            if per_replica
+            else [],
+            "cpu_cores": {n: _median(w["cpu_cores"].get(n) for w in found) for n in processes},
+        }
 
-    def per_replica(name):
-        values = [s["windows"][name]["replica_examples_per_second"] for s in summaries]
-        values = [v for v in values if v]
-        return [_median(v[i] for v in values) for i in range(len(values[0]))] if values else []
-
-    def cores(name):
-        found = [s["windows"][name]["cpu_cores"] for s in summaries]
-        names = list(dict.fromkeys(n for f in found for n in f))
-        return {n: _median(f.get(n) for f in found) for n in names}
-
-    lost = results[0]["lost_replicas"]
     return [
         {
             "contender": "tf_diffmap_cluster",
             "label": label("tf_diffmap_cluster"),
-            "workers": len(results[0]["devices"]),
-            "devices": results[0]["devices"],
-            "killed_worker": results[0]["killed_worker"],
+            "workers": len(first["devices"]),
+            "devices": first["devices"],
+            "killed_worker": first["killed_worker"],
             "lost_replicas": lost,
             "input": task.get("input", "dataset"),
-            "steps_per_epoch": task.get("steps_per_epoch"),
             "seconds": task["seconds"],
             "kill_at": task["kill_at"],
             "restart_at": task["restart_at"],
-            "windows": {
-                name: {
-                    "examples_per_second": window(name, "examples_per_second"),
-                    "min_examples_per_second": window(name, "min_examples_per_second"),
-                    "bin_cv": _median(s["windows"][name]["bin_cv"] for s in summaries),
-                    "bins": _median(s["windows"][name]["bins"] for s in summaries),
-                    "replica_examples_per_second": per_replica(name),
-                    "cpu_cores": cores(name),
-                }
-                for name in FAULT_WINDOWS
-            },
+            "windows": {name: window(name) for name in FAULT_WINDOWS},
             "before_examples_per_second": _spread(
                 s["before_examples_per_second"] for s in summaries
             ),
-            "outage_share": _spread(s["outage_share"] for s in summaries),
-            "restarting_share": _spread(s["restarting_share"] for s in summaries),
-            "after_share": _spread(s["after_share"] for s in summaries),
+            **{
+                f"{name}_share": _spread(s[f"{name}_share"] for s in summaries)
+                for name in ("outage", "restarting", "after")
+            },
             "delays": {key: _spread(s[key] for s in summaries) for key, _ in FAULT_DELAYS},
             "full_rate": summaries[0]["full_rate"],
             "rejoined_runs": sum(s["seconds_restart_to_rejoin"] is not None for s in summaries),
@@ -630,188 +541,305 @@ def _fault_timeline(runs) -> list[dict[str, Any]]:
     ]
 
 
-def _fault_targets(plan, rows) -> list[dict[str, Any]]:
-    row = rows[0] if rows else None
-    workers = plan.fault_workers
-    survivors = (workers - 1) / workers
-    return [
-        _target(
-            "fault_outage",
-            row["outage_share"]["median"] if row else None,
-            note=f"the surviving workers' share: {workers - 1} of {workers}",
-            target=survivors,
-        ),
-        _target(
-            "fault_after",
-            row["after_share"]["median"] if row else None,
-            note=f"the full rate, within {1 - plan.fault_full_rate:.0%}"
-            + (
-                ""
-                if not row or row["rejoined_runs"] == row["runs"]
-                else f"; the worker rejoined in {row['rejoined_runs']} of {row['runs']} runs"
-            ),
-        ),
-    ]
+def _embeddings(runs) -> list[dict[str, Any]]:
+    """Per contender, table size and optimizer: medians over the rounds."""
+    groups = _groups(
+        runs,
+        "embeddings",
+        lambda s, t, r, c: (s["contender"], s["replicas"], t["rows"], t["optimizer"]),
+    )
+    rows = []
+    for (contender, replicas, table_rows, optimizer), results in groups.items():
+        eps = [r["examples_per_second"] for r in results]
+        rows.append(
+            {
+                "contender": contender,
+                "replicas": replicas,
+                "rows": table_rows,
+                "optimizer": optimizer,
+                "table_mb": results[0]["table_mb"],
+                "runs": len(results),
+                "examples_per_second": _median(eps),
+                "examples_per_second_values": eps,
+                **{
+                    key: _median(r.get(key) for r in results)
+                    for key in (
+                        "cpu_seconds_per_1000_examples",
+                        "val_accuracy",
+                        "best_val_accuracy",
+                        "bytes_sent_per_update",
+                    )
+                },
+                "examples_per_update": results[0].get("examples_per_update"),
+                "table_shards": results[0].get("table_shards"),
+                "mean_staleness": _staleness(results),
+            }
+        )
+    return sorted(rows, key=lambda r: (r["optimizer"], r["rows"], r["contender"]))
 
 
 def _memory(runs, max_staleness) -> list[dict[str, Any]]:
+    """Peak RSS per contender and device count: after the MLP throughput task
+    (the session's first), and at the session's end."""
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for run in runs:
         session = run["result"]
-        if session.get("status") != "ok":
-            continue
-        if {t["kind"] for t in run["config"]["tasks"]} <= {"control", "cluster", "fault_timeline"}:
+        kinds = {t["kind"] for t in run["config"]["tasks"]}
+        if session.get("status") != "ok" or kinds <= {"control", "cluster", "fault_timeline"}:
             continue  # their own sessions, not the timed contenders' memory
         first = (session.get("tasks") or [None])[0]
-        after_first = None
-        if (
+        mlp = (
             first
             and first["task"]["kind"] == "throughput"
             and first["task"]["model"] == "mlp"
             and first["task"].get("input", "dataset") == "dataset"
-        ):
-            after_first = first["result"].get("peak_rss_mb")
+        )
         groups[(session["contender"], session["replicas"])].append(
-            (after_first, session.get("peak_rss_mb"))
+            (first["result"].get("peak_rss_mb") if mlp else None, session.get("peak_rss_mb"))
         )
-    rows = []
-    for (contender, replicas), values in sorted(groups.items()):
-        rows.append(
-            {
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "replicas": replicas,
-                "peak_rss_mb_mlp": _median(v[0] for v in values),
-                "peak_rss_mb_session": _median(v[1] for v in values),
-                "runs": len(values),
-            }
-        )
-    return rows
+    return [
+        {
+            "contender": contender,
+            "label": label(contender, max_staleness),
+            "replicas": replicas,
+            "peak_rss_mb_mlp": _median(v[0] for v in values),
+            "peak_rss_mb_session": _median(v[1] for v in values),
+            "runs": len(values),
+        }
+        for (contender, replicas), values in sorted(groups.items())
+    ]
 
 
-def _find(rows, **match):
-    for row in rows:
-        if all(row.get(k) == v for k, v in match.items()):
-            return row
-    return None
+# -- Targets --------------------------------------------------------------------
 
 
-def _ratio(a, b):
-    return a / b if a is not None and b else None
+def met(measured, comparison: str, threshold: float) -> bool | None:
+    """Whether `measured` meets the target (None: not measured)."""
+    if measured is None:
+        return None
+    return measured >= threshold if comparison == ">=" else measured <= threshold
 
 
-def _targets(plan, throughput, straggler, accuracy, tf_keras) -> list[dict[str, Any]]:
-    out = []
-    described = {key: (text, op, value) for key, text, op, value in TARGETS}
+def _target(key, measured, note="", suffix="", threshold=None, missing="") -> dict[str, Any]:
+    """A target's record; `missing` says why a figure of None was not measured."""
+    text, comparison, default, unit = TARGETS[key]
+    threshold = default if threshold is None else threshold
+    if measured is None:
+        note = "; ".join(n for n in (missing or "a figure it needs was not measured", note) if n)
+    return {
+        "key": key,
+        "description": text + suffix,
+        "measured": measured,
+        "comparison": comparison,
+        "target": threshold,
+        "unit": unit,
+        "met": met(measured, comparison, threshold),
+        "note": note,
+    }
 
-    def add(key, measured, note="", model=None, unit="x", input_="dataset"):
-        text, op, value = described[key]
-        if model:
-            kind = MODELS[model]["description"].split(" ")[0]
-            text += f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})"
-        met = None
-        if measured is not None:
-            met = measured >= value if op == ">=" else measured <= value
-        out.append(
-            {
-                "key": key,
-                "model": model,
-                "input": input_,
-                "description": text,
-                "measured": measured,
-                "comparison": op,
-                "target": value,
-                "unit": unit,
-                "met": met,
-                "note": note,
-            }
-        )
 
+def _timed_targets(plan, throughput, straggler, accuracy, tf_keras) -> list[dict[str, Any]]:
     def eps(model, replicas, contender, input_="dataset"):
         row = _find(throughput, model=model, replicas=replicas, contender=contender, input=input_)
         return row["examples_per_second"]["median"] if row else None
 
+    def ratio(model, replicas, theirs, input_="dataset"):
+        return _ratio(
+            eps(model, replicas, "tf_diffmap", input_), eps(model, replicas, theirs, input_)
+        )
+
+    def suffix(model, input_="dataset"):
+        kind = workloads.MODELS[model]["description"].split(" ")[0]
+        return f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})"
+
     numpy = "mlp" in plan.models and bool(plan.numpy_input_replicas)
-    for model in plan.models:
-        add(
-            "overhead",
-            _ratio(eps(model, 1, "tf_diffmap"), eps(model, 1, "plain_keras")),
-            model=model,
-        )
-    if numpy:
-        add(
-            "overhead",
-            _ratio(eps("mlp", 1, "tf_diffmap", "numpy"), eps("mlp", 1, "plain_keras", "numpy")),
-            model="mlp",
-            input_="numpy",
-        )
-    for model in plan.models:
-        add(
+    inputs = [(m, "dataset") for m in plan.models] + ([("mlp", "numpy")] if numpy else [])
+    if "throughput" not in plan.workloads:
+        inputs = []
+    out = [
+        _target("overhead", ratio(m, 1, "plain_keras", i), suffix=suffix(m, i)) for m, i in inputs
+    ]
+    out += [
+        _target(
             "even_vs_mirrored",
-            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "mirrored")),
-            model=model,
+            ratio(m, 4, "mirrored", i),
+            suffix=suffix(m, i),
+            note="Keras 3 rebuilds MirroredStrategy's distributed iterator every epoch"
+            if i == "numpy"
+            else "",
         )
-    if numpy:
-        add(
-            "even_vs_mirrored",
-            _ratio(eps("mlp", 4, "tf_diffmap", "numpy"), eps("mlp", 4, "mirrored", "numpy")),
-            model="mlp",
-            input_="numpy",
-            note="Keras 3 rebuilds MirroredStrategy's distributed iterator every epoch",
-        )
-    for model in plan.models:
-        note = "" if tf_keras.get("available") else "tf-keras not available (see above)"
-        add(
+        for m, i in inputs
+    ]
+    out += [
+        _target(
             "even_vs_central",
-            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "central_storage")),
-            note=note,
-            model=model,
+            ratio(m, 4, "central_storage"),
+            suffix=suffix(m),
+            missing="" if tf_keras.get("available") else NO_TF_KERAS,
         )
+        for m, i in inputs
+        if i == "dataset"
+    ]
 
     def straggled(contender, slowdown):
         row = _find(straggler, replicas=4, contender=contender, slowdown=slowdown)
         return row["examples_per_second"]["median"] if row else None
 
-    add("straggler_vs_mirrored", _ratio(straggled("tf_diffmap", 4), straggled("mirrored", 4)))
-    add(
-        "straggler_retention",
-        _ratio(straggled("tf_diffmap", 4), straggled("tf_diffmap", 1)),
-        note="no-straggler reference: the same model and delay layer with a 0 s delay",
-    )
+    if "straggler" in plan.workloads:
+        out.append(
+            _target(
+                "straggler_vs_mirrored",
+                _ratio(straggled("tf_diffmap", 4), straggled("mirrored", 4)),
+            )
+        )
+        out.append(
+            _target(
+                "straggler_retention",
+                _ratio(straggled("tf_diffmap", 4), straggled("tf_diffmap", 1)),
+                note="no-straggler reference: the same model and delay layer with a 0 s delay",
+            )
+        )
+    if "accuracy" not in plan.workloads:
+        return out
     ours = _find(accuracy, contender="tf_diffmap", rule="none", straggler=True)
     theirs = _find(accuracy, contender="mirrored", rule=None, straggler=True)
     top = str(max(plan.accuracy_targets))
-    note = ""
-    if ours and theirs:
-        if theirs["seconds_to"].get(top) is None:
-            note = (
-                f"MirroredStrategy did not reach {float(top):.0%} within "
-                f"{theirs['epochs']} epochs in most runs"
-            )
-        elif ours["seconds_to"].get(top) is None:
-            note = f"tf_diffmap did not reach {float(top):.0%} in most runs"
-    add(
-        "tta_vs_mirrored",
-        _ratio(
-            ours["seconds_to"].get(top) if ours else None,
-            theirs["seconds_to"].get(top) if theirs else None,
-        ),
-        note=note or "AsyncOptimizer rule 'none'",
+    note = "AsyncOptimizer rule 'none'"
+    if ours and theirs and theirs["seconds_to"].get(top) is None:
+        note = (
+            f"MirroredStrategy did not reach {float(top):.0%} within {theirs['epochs']} epochs "
+            "in most runs"
+        )
+    elif ours and theirs and ours["seconds_to"].get(top) is None:
+        note = f"tf_diffmap did not reach {float(top):.0%} in most runs"
+    out.append(
+        _target(
+            "tta_vs_mirrored",
+            _ratio(ours and ours["seconds_to"].get(top), theirs and theirs["seconds_to"].get(top)),
+            note=note,
+        )
     )
     gap = None
     if (
         ours
         and theirs
-        and ours["final_accuracy"]["median"] is not None
-        and theirs["final_accuracy"]["median"] is not None
+        and None not in (ours["final_accuracy"]["median"], theirs["final_accuracy"]["median"])
     ):
         gap = 100 * (ours["final_accuracy"]["median"] - theirs["final_accuracy"]["median"])
-    add(
-        "final_accuracy_gap",
-        gap,
-        unit=" points",
-        note="read as: not more than half a point below MirroredStrategy",
+    out.append(
+        _target(
+            "final_accuracy_gap",
+            gap,
+            note="read as: not more than half a point below MirroredStrategy",
+        )
     )
+    return out
+
+
+def _control_targets(control) -> list[dict[str, Any]]:
+    def rate(contender, spe, field):
+        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
+        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
+        return row[field]["median"] if row else None
+
+    return [
+        _target(
+            key,
+            _ratio(
+                rate("tf_diffmap", spe, "updates_per_second"),
+                rate("plain_keras", spe, "steps_per_second"),
+            ),
+            note=f"tf_diffmap at its default steps_per_loop={DEFAULT_STEPS_PER_LOOP}",
+        )
+        for key, spe in (("control_spe16", 16), ("control_spe1", 1))
+    ]
+
+
+def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
+    def eps(contender, batch=plan.cluster_batch_size):
+        row = _find(cluster, contender=contender, batch_size=batch)
+        return row["examples_per_second"]["median"] if row else None
+
+    ours, pss = eps("tf_diffmap_cluster"), eps("parameter_server")
+    per_update = plan.cluster_batch_size * plan.cluster_workers
+    missing = "" if tf_keras.get("available") else NO_TF_KERAS
+    return [
+        _target("cluster_vs_in_process", _ratio(ours, eps("tf_diffmap"))),
+        _target("cluster_vs_parameter_server", _ratio(ours, pss), missing=missing),
+        _target(
+            "cluster_vs_parameter_server_per_update",
+            _ratio(eps("tf_diffmap_cluster", per_update), pss),
+            note=f"tf_diffmap at global batch {per_update}, ParameterServerStrategy at "
+            f"{plan.cluster_batch_size}",
+            missing=missing,
+        ),
+    ]
+
+
+def _fault_targets(plan, rows) -> list[dict[str, Any]]:
+    row = rows[0] if rows else None
+    workers = plan.fault_workers
+    after = f"the full rate, within {1 - plan.fault_full_rate:.0%}"
+    if row and row["rejoined_runs"] != row["runs"]:
+        after += f"; the worker rejoined in {row['rejoined_runs']} of {row['runs']} runs"
+    return [
+        _target(
+            "fault_outage",
+            row and row["outage_share"]["median"],
+            note=f"the surviving workers' share: {workers - 1} of {workers}",
+            threshold=(workers - 1) / workers,
+        ),
+        _target("fault_after", row and row["after_share"]["median"], note=after),
+    ]
+
+
+def _embedding_targets(table, plan, tf_keras) -> list[dict[str, Any]]:
+    def eps(contender, table_rows, optimizer="sgd"):
+        row = _find(table, contender=contender, rows=table_rows, optimizer=optimizer)
+        return row["examples_per_second"] if row else None
+
+    small, large = min(plan.embedding_rows), max(plan.embedding_rows)
+    gaps = []
+    for row in table:
+        same = _find(table, contender="plain_keras", rows=row["rows"], optimizer=row["optimizer"])
+        if row["contender"] == "tf_diffmap" and same:
+            if None not in (row["best_val_accuracy"], same["best_val_accuracy"]):
+                gaps.append(100 * (row["best_val_accuracy"] - same["best_val_accuracy"]))
+    replicas = plan.embedding_replicas
+    out = [
+        _target(
+            "embedding_scaling",
+            _ratio(eps("tf_diffmap", large), eps("tf_diffmap", small)),
+            note=f"{replicas} replicas, {large:,} rows / {small:,} rows",
+        ),
+        _target(
+            "embedding_vs_keras",
+            _ratio(eps("tf_diffmap", large), eps("plain_keras", large)),
+            note=f"{replicas} replicas / one device, {large:,} rows",
+        ),
+        _target(
+            "embedding_accuracy",
+            min(gaps, default=None),
+            note=f"{plan.embedding_epochs} epochs each",
+        ),
+    ]
+    if plan.embedding_cluster_rows is not None:
+        rows = plan.embedding_cluster_rows
+        ratios = [
+            _ratio(eps("tf_diffmap_cluster", rows, o), eps("parameter_server", rows, o))
+            for o in plan.embedding_cluster_optimizers
+        ]
+        ratios = [r for r in ratios if r is not None]
+        out.insert(
+            2,
+            _target(
+                "embedding_cluster",
+                min(ratios, default=None),
+                note=f"{plan.embedding_cluster_workers} workers, {plan.embedding_cluster_ps} ps, "
+                f"{rows:,} rows, {plan.embedding_batch_size} examples per update",
+                missing="" if tf_keras.get("available") else NO_TF_KERAS,
+            ),
+        )
     return out
 
 
@@ -828,49 +856,45 @@ def build(
     seconds,
 ):
     """The results document (what `results.json` holds)."""
-    versions = next(
-        (
-            {
-                "tensorflow": r["result"].get("tensorflow_version"),
-                "keras": r["result"].get("keras_version"),
-            }
-            for r in runs
-            if r["result"].get("status") == "ok" and not CONTENDERS[r["config"]["contender"]].legacy
-        ),
-        {},
-    )
-    legacy = next(
-        (
-            r["result"].get("keras_version")
-            for r in runs
-            if r["result"].get("status") == "ok" and CONTENDERS[r["config"]["contender"]].legacy
-        ),
-        None,
-    )
+
+    def version(legacy: bool, key: str):
+        return next(
+            (
+                r["result"].get(key)
+                for r in runs
+                if r["result"].get("status") == "ok"
+                and CONTENDERS[r["config"]["contender"]].legacy == legacy
+            ),
+            None,
+        )
+
+    chosen = plan.workloads
     throughput = _throughput(runs, plan.max_staleness)
     straggler = _straggler(runs, plan.max_staleness)
     accuracy = _accuracy(runs, plan.max_staleness)
-    control = _control(runs)
-    cluster = _cluster(runs)
-    fault_timeline = _fault_timeline(runs)
-    targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
-    if "control" in plan.workloads:
+    control, cluster = _control(runs), _cluster(runs)
+    fault_timeline, embeddings = _fault_timeline(runs), _embeddings(runs)
+    targets = _timed_targets(plan, throughput, straggler, accuracy, tf_keras)
+    if "control" in chosen:
         targets += _control_targets(control)
-    if "cluster" in plan.workloads:
+    if "cluster" in chosen:
         targets += _cluster_targets(cluster, plan, tf_keras)
-    if "fault_timeline" in plan.workloads:
+    if "fault_timeline" in chosen:
         targets += _fault_targets(plan, fault_timeline)
-    embedding_rows = embeddings.rows(runs)
-    if "embeddings" in plan.workloads:
-        targets += embeddings.targets(embedding_rows, plan, _embedding_target)
-    return {
+    if "embeddings" in chosen:
+        targets += _embedding_targets(embeddings, plan, tf_keras)
+    results = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "seconds": seconds,
         "plan": plan.to_dict(),
         "machine": machine,
-        "versions": {**versions, "tf_keras": legacy},
+        "versions": {
+            "tensorflow": version(False, "tensorflow_version"),
+            "keras": version(False, "keras_version"),
+            "tf_keras": version(True, "keras_version"),
+        },
         "tf_keras": tf_keras,
         "mirrored_reduce": mirrored_reduce,
         "inter_op_threads": inter_op_threads,
@@ -884,602 +908,400 @@ def build(
         "control": control,
         "cluster": cluster,
         "fault_timeline": fault_timeline,
-        "embeddings": embedding_rows,
+        "embeddings": embeddings,
         "targets": targets,
         "errors": _errors(runs),
         "sessions": runs,
     }
+    results["tables"] = tables(results)
+    return results
 
 
-# -- Markdown -------------------------------------------------------------------
+# -- Tables ---------------------------------------------------------------------
 
 
-def _num(value, digits=0, unit="") -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:,.{digits}f}{unit}"
+def _table(title, columns, rows, formats=None, notes=()) -> dict[str, Any]:
+    """A table: rows keyed by column; `formats` per column (`str.format`
+    patterns, applied to numbers and to each figure of a spread)."""
+    return {
+        "title": title,
+        "columns": list(columns),
+        "formats": formats or {},
+        "rows": rows,
+        "notes": [n for n in notes if n],
+    }
 
 
-def _cell(spread, digits=0) -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    if len(spread["values"]) < 2:
-        return _num(spread["median"], digits)
-    return (
-        f"{_num(spread['median'], digits)} "
-        f"({_num(spread['min'], digits)}–{_num(spread['max'], digits)})"
-    )
-
-
-def _contenders_in(rows) -> list[str]:
-    present = {r["contender"] for r in rows}
-    return [c for c in CONTENDERS if c in present]
-
-
-def _targets_table(results, keys=None) -> list[str]:
-    """The targets table: of `keys`, or by default of the timed workloads."""
-    own = CONTROL_TARGETS + CLUSTER_TARGETS + FAULT_TARGETS
-    own += tuple(t[0] for t in embeddings.TARGETS)
-    lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
-    for t in results["targets"]:
-        if (t["key"] not in keys) if keys is not None else (t["key"] in own):
-            continue
-        unit = t["unit"]
-        measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
-        target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:.3g}{unit}"
-        result = {True: "**met**", False: "**missed**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['description']} | {measured} | {target} | {result} | {t['note']} |")
-    return lines
-
-
-def _throughput_table(results) -> list[str]:
-    rows = results["throughput"]
-    names = _contenders_in(rows)
-    labels = {r["contender"]: r["label"] for r in rows}
-    lines = [
-        "| Model | Replicas | "
-        + " | ".join(labels[c] for c in names)
-        + " | tf_diffmap / Mirrored |",
-        "| --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
-    ]
-    for model, input_ in dict.fromkeys((r["model"], r["input"]) for r in rows):
-        mine = [r for r in rows if r["model"] == model and r["input"] == input_]
-        for replicas in sorted({r["replicas"] for r in mine}):
-            cells = []
-            for c in names:
-                row = _find(mine, replicas=replicas, contender=c)
-                cells.append(_cell(row["examples_per_second"]) if row else "–")
-            ours = _find(mine, replicas=replicas, contender="tf_diffmap")
-            theirs = _find(mine, replicas=replicas, contender="mirrored")
-            ratio = _ratio(
-                ours and ours["examples_per_second"]["median"],
-                theirs and theirs["examples_per_second"]["median"],
-            )
-            name = model.upper() + (", NumPy arrays" if input_ == "numpy" else "")
-            lines.append(
-                f"| {name} | {replicas} | " + " | ".join(cells) + f" | {_num(ratio, 2, 'x')} |"
-            )
-    return lines
-
-
-def _straggler_table(results) -> list[str]:
-    rows = results["straggler"]
-    slowdowns = sorted({r["slowdown"] for r in rows})
-    top = max(slowdowns) if slowdowns else None
-    head = (
-        ["Replicas", "Contender"]
-        + [f"k={k} examples/s" for k in slowdowns]
-        + [f"k={k} s/epoch" for k in slowdowns]
-        + [f"kept at k={top}", f"replica 0 share at k={top}"]
-    )
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for replicas in sorted({r["replicas"] for r in rows}):
-        for c in _contenders_in(rows):
-            found = [_find(rows, replicas=replicas, contender=c, slowdown=k) for k in slowdowns]
-            if not any(found):
-                continue
-            last = found[-1]
-            cells = [str(replicas), found[0]["label"] if found[0] else c]
-            cells += [_cell(f["examples_per_second"]) if f else "–" for f in found]
-            cells += [_num(f["epoch_seconds"]["median"], 2) if f else "–" for f in found]
-            cells.append(_num(last and last["retention"] and 100 * last["retention"], 0, "%"))
-            share = last and last["replica0_share"]
-            cells.append(_num(share and 100 * share, 1, "%") if share is not None else "–")
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _accuracy_table(results) -> list[str]:
-    rows = results["accuracy"]
-    if not rows:
-        return ["(not run)"]
-    targets = list(rows[0]["seconds_to"])
-    head = (
-        ["Contender", "Rule", "Straggler"]
-        + [f"s to {float(t):.0%}" for t in targets]
-        + [
-            f"epochs to {float(targets[-1]):.0%}",
-            "final accuracy",
-            "mean / max staleness",
-            "dropped",
-            "replica 0 share",
-            "train s",
-        ]
-    )
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for row in rows:
-        rule = row["rule"] or "–"
-        if row["rule"] == "drop":
-            rule = f"drop (> {row['drop_above']})"
-        cells = [
-            f"{row['label']} ({row['replicas']})",
-            rule,
-            f"replica 0 ×{_slowdown(results, row)}" if row["straggler"] else "none",
-        ]
-        for t in targets:
-            value = row["seconds_to"][t]
-            cells.append(
-                _num(value, 2)
-                if value is not None
-                else f"not reached ({row['reached'][t]}/{row['runs']} runs did)"
-            )
-        cells.append(
-            _num(row["epochs_to"][targets[-1]], 0)
-            if row["epochs_to"][targets[-1]] is not None
-            else "–"
-        )
-        cells.append(_cell(row["final_accuracy"], 4))
-        if row["mean_staleness"] is not None:
-            cells.append(f"{row['mean_staleness']:.2f} / {row['max_staleness']}")
-        else:
-            cells.append("–")
-        cells.append(
-            _num(100 * row["dropped_fraction"], 1, "%")
-            if row["dropped_fraction"] is not None
-            else "–"
-        )
-        cells.append(
-            _num(100 * row["replica0_share"], 1, "%") if row["replica0_share"] is not None else "–"
-        )
-        cells.append(_num(row["train_seconds"], 1))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _slowdown(results, row) -> str:
-    return str(results["plan"]["accuracy_slowdown"])
-
-
-# An accuracy below this is a collapse (chance is 0.1 on digits).
-COLLAPSED = 0.5
-
-
-def _convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
-    """A row's verdict on the default rule, and whether it met its target
-    (None when the row does not measure its regime)."""
-    if default is None or sync is None:
-        return "n/a", None
-    staleness = default["mean_staleness"]["median"]
-    if staleness is None or staleness < floor:
-        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
-    acc = default["final_accuracy"]
-    worst = acc["min"] if acc["min"] is not None else acc["median"]
-    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
-    short = [
-        name
-        for name, row in references
-        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
-    ]
-    if worst < COLLAPSED:
-        short.append(f"a run at {worst:.3f}")
-    if short:
-        return "missed (" + ", ".join(short) + ")", False
-    return "met", True
-
-
-def _convergence_table(results, regime: str, per_device: int, floor: float) -> list[str]:
-    rows = [r for r in results["convergence"] if r["regime"] in (regime, "sync")]
-    plan = results["plan"]
-    rules = list(plan["convergence_rules"])
-    header = ["Model", "Optimizer", "sync"] + [
-        f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules
-    ]
-    header += ["default − sync", "default − `none`", "target"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    verdicts = []
-    for model, optimizer in plan["convergence_rows"]:
-        key = {"model": model, "optimizer": optimizer}
-        sync = _find(rows, regime="sync", rule=None, **key)
-        found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
-        cells = [model, workloads.convergence_optimizer_label(model, optimizer), _acc(sync)]
-        cells += [_acc(found[rule], staleness=True) for rule in rules]
-        default, none = found.get("auto"), found.get("none")
-        for reference in (sync, none):
-            if default is None or reference is None:
-                cells.append("n/a")
-            else:
-                gap = default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
-                cells.append(f"{100 * gap:+.1f}")
-        verdict, met = _convergence_verdict(regime, floor, default, sync, none)
-        verdicts.append(met)
-        cells.append(verdict)
-        lines.append("| " + " | ".join(cells) + " |")
-    counted = [v for v in verdicts if v is not None]
-    lines += [
-        "",
-        f"Target ({regime} staleness): the default rule's median within 1 point of the "
-        "synchronous reference"
-        + (" and of `none`" if regime == "low" else "")
-        + ", and no run of it below 0.5: "
-        + (f"**met** in {sum(counted)} of {len(counted)} valid rows" if counted else "no valid row")
-        + (
-            f"; {len(verdicts) - len(counted)} rows invalid or missing."
-            if len(counted) < len(verdicts)
-            else "."
-        ),
-    ]
-    return lines
-
-
-def _acc(row, staleness: bool = False) -> str:
-    if row is None:
+def cell(value, pattern: str | None = None) -> str:
+    """A cell's text: "–" for nothing, a spread as "median (min–max)"."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    spread = row["final_accuracy"]
-    text = _cell(spread, 3)
-    if spread["median"] is not None and spread["median"] < COLLAPSED:
-        text = f"**{text}**"
-    mean = row.get("mean_staleness")
-    if isinstance(mean, dict):
-        mean = mean["median"]
-    if staleness and mean is not None:
-        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
-    return text
+    if isinstance(value, dict):
+        text = cell(value["median"], pattern)
+        if value["median"] is None or len(value["values"]) < 2:
+            return text
+        return f"{text} ({cell(value['min'], pattern)}–{cell(value['max'], pattern)})"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        default = "{:,}" if isinstance(value, int) else "{:,.2f}"
+        return (pattern or default).format(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _memory_table(results) -> list[str]:
-    rows = results["memory"]
-    counts = sorted({r["replicas"] for r in rows})
-    lines = [
-        "| Contender | " + " | ".join(f"{n} replica(s)" for n in counts) + " |",
-        "| --- | " + " | ".join("---" for _ in counts) + " |",
-    ]
-    for c in _contenders_in(rows):
-        cells = []
-        for n in counts:
-            row = _find(rows, contender=c, replicas=n)
-            if row is None:
-                cells.append("–")
-            else:
-                cells.append(
-                    f"{_num(row['peak_rss_mb_mlp'], 0)} / {_num(row['peak_rss_mb_session'], 0)}"
-                )
-        label_ = next(r["label"] for r in rows if r["contender"] == c)
-        lines.append(f"| {label_} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _points_section(results) -> list[str]:
-    rows = results.get("points") or []
-    if not rows:
-        return []
-    plan = results["plan"]
-    lines = [
-        '## Staleness points (`StalenessTensorBoard(update_freq="batch")`)',
-        "",
-        "| Replicas | CPU per point, ms (p90) | Batch, ms | `fit` with snapshots only "
-        "| `fit` with every point | `fit` with the default budget "
-        "| Points at the default budget |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['replicas']} | {_cell(row['point_cpu_ms'], 3)} "
-            f"({_num(row['point_cpu_ms_p90']['median'], 3)}) "
-            f"| {_cell(row['ms_per_batch'], 1)} "
-            f"| {_percent(row['snapshots_overhead'])} "
-            f"| {_percent(row['every_point_overhead'])} "
-            f"| {_percent(row['budget_overhead'])} "
-            f"| {_num(row['budget_points']['median'], 0)} of {row['batches_per_fit']} |"
-        )
-    lines += [
-        "",
-        f"Digits, the MLP, batch {plan['points_batch_size']}, {plan['points_epochs']} "
-        f"epoch(s) per `fit`, {plan['points_rounds']} rounds of four `fit`s (none, the "
-        "graph's counter snapshots on with no callback, every point with "
-        "`max_overhead=None`, the default `max_overhead=0.02`) per run. CPU per point: the "
-        "callback's own measure (`point_cpu_seconds`), median over the points; `fit` "
-        "columns: median `fit` time against the one without the callback (noisy on a "
-        "shared host).",
-        "",
-    ]
-    return lines
-
-
-def _percent(spread) -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    return f"{100 * spread['median']:+.1f}%"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """`results.md`: the run's settings, targets and tables."""
-    plan = results["plan"]
-    machine = results["machine"]
-    versions = results["versions"]
-    tf_keras = results["tf_keras"]
-    lines = [
-        "# tf_diffmap benchmarks",
-        "",
-        f"Run {results['created']}, preset `{plan['name']}`, {plan['repeats']} repeat(s), "
-        f"{results['seconds'] / 60:.1f} min in all. Command: `{results['command']}`",
-        "",
-        f"- Machine: {machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
-        f"{machine.get('memory_gib')} GiB, {machine.get('platform')}; load average "
-        f"{_load(machine.get('load_average_start'))} at the start, "
-        f"{_load(machine.get('load_average_end'))} at the end (the host is shared).",
-        f"- TensorFlow {versions.get('tensorflow')}, {versions.get('keras')}; "
-        + (
-            f"CentralStorageStrategy under {versions.get('tf_keras')} "
-            f"(`{tf_keras.get('python')}`, `TF_USE_LEGACY_KERAS=1`)."
-            if tf_keras.get("available") and versions.get("tf_keras")
-            else f"CentralStorageStrategy **not run**: {tf_keras.get('reason')}."
-        ),
-        "",
-    ]
-    workloads = plan.get("workloads", ("throughput", "straggler", "accuracy"))
-    if set(workloads) & {"throughput", "straggler", "accuracy"}:
-        lines += _timed_sections(results)
-    if "control" in workloads:
-        lines += _control_section(results)
-    if "cluster" in workloads:
-        lines += _cluster_section(results)
-    if "fault_timeline" in workloads:
-        lines += _fault_timeline_section(results)
-    if "embeddings" in workloads:
-        lines += embeddings.section(results)
-        lines += _targets_table(results, [t[0] for t in embeddings.TARGETS]) + [""]
-    if "convergence" in workloads:
-        lines += _convergence_section(results)
-    if results.get("figures"):
-        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in results["figures"]] + [""]
-    if results["errors"]:
-        lines += ["## Errors", ""]
-        for e in results["errors"]:
-            lines.append(
-                f"- round {e['round']}, {e['contender']} on {e['replicas']} device(s)"
-                f"{', task ' + e['task'] if e['task'] else ''}: {e['error']}"
-            )
-        lines.append("")
+def render(table: dict[str, Any]) -> str:
+    """A table as Markdown: its title, the columns, one line per row, then its notes."""
+    columns, formats = table["columns"], table["formats"]
+    lines = [f"## {table['title']}", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + " --- |" * len(columns))
+    for row in table["rows"]:
+        lines.append("| " + " | ".join(cell(row.get(c), formats.get(c)) for c in columns) + " |")
+    if not table["rows"]:
+        lines.append("| (no rows) |" + " |" * (len(columns) - 1))
+    lines += [""] + [f"- {note}" for note in table["notes"]] + [""] * bool(table["notes"])
     return "\n".join(lines)
 
 
-def _devices_text(results) -> str:
-    machine = results["machine"]
+def _targets_table(results) -> dict[str, Any]:
+    verdicts = {True: "met", False: "missed", None: "not measured"}
+    rows = [
+        {
+            "Target": t["description"],
+            "Measured": None if t["measured"] is None else f"{t['measured']:.2f}{t['unit']}",
+            "Threshold": f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:.3g}{t['unit']}",
+            "Result": verdicts[t["met"]],
+            "Note": t["note"],
+        }
+        for t in results["targets"]
+    ]
+    return _table("Targets", ["Target", "Measured", "Threshold", "Result", "Note"], rows)
+
+
+def _devices(machine) -> str:
     if machine.get("device") == "gpu":
-        gpus = machine.get("gpus") or 0
         return (
-            f"GPUs ({gpus} on this host: one per replica, or logical GPUs of "
-            f"{machine.get('gpu_memory_mb')} MiB sliced from GPU 0 when there are fewer "
-            "GPUs than replicas)"
+            f"GPUs ({machine.get('gpus')}: one per replica, or logical GPUs of "
+            f"{machine.get('gpu_memory_mb')} MiB of GPU 0 when fewer than the replicas)"
         )
     return f"logical CPU devices of one {machine.get('logical_cpus')}-CPU host"
 
 
-def _control_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("control") or []
-    spes = list(plan["control_steps_per_execution"])
-    head = ["Contender", "Replicas"] + [f"steps_per_execution={n}" for n in spes]
-    lines = [
-        "## Control path (updates/s; plain Keras: steps/s)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" for _ in head) + " |",
-    ]
-    keys = dict.fromkeys((r["contender"], r["steps_per_loop"]) for r in rows)
-    for contender, k in keys:
-        cells = []
-        for spe in spes:
-            row = _find(rows, contender=contender, steps_per_loop=k, steps_per_execution=spe)
-            cpu = (row.get("cpu_us_per_update") or {}).get("median") if row else None
-            cpu_text = "" if cpu is None else f"; {cpu:.0f} µs CPU per update"
-            cells.append(_cell(row["updates_per_second"]) + cpu_text if row else "–")
-        first = _find(rows, contender=contender, steps_per_loop=k)
-        name = first["label"] + (f", steps_per_loop={k}" if k is not None else "")
-        if k == DEFAULT_STEPS_PER_LOOP:
-            name += " (default)"
-        lines.append(f"| {name} | {first['updates_per_step']} | " + " | ".join(cells) + " |")
-    if not rows:
-        lines.append("| (not run) |")
-    lines += [
-        "",
-        *_targets_table(results, CONTROL_TARGETS),
-        "",
-        f"A `Dense(1)` on 8 inputs (MSE, SGD {plan['control_learning_rate']:g}), global batch "
-        f"{plan['control_batch_size']}, a repeated `tf.data` input with steps_per_epoch="
-        f"{plan['control_steps_per_epoch']}: a step costs almost nothing, so what is measured "
-        f"is the control path. Plain Keras on one device; tf_diffmap on "
-        f"{plan['control_replicas']} {_devices_text(results)}, each Keras step giving "
-        f"{plan['control_replicas']} updates (shards of "
-        f"{plan['control_batch_size'] // plan['control_replicas']} examples). Figures: Keras "
-        "steps per median epoch time, times the updates per step; medians of the runs "
-        "(min–max in brackets). CPU per update: the worker process's CPU time over the "
-        "timed window (both cores), over the updates applied in it.",
-        "",
-    ]
-    return lines
+def _run_table(results) -> dict[str, Any]:
+    plan, machine, versions, tf_keras = (
+        results["plan"],
+        results["machine"],
+        results["versions"],
+        results["tf_keras"],
+    )
 
+    def load(values):
+        return "/".join(f"{v:.1f}" for v in values) if values else "–"
 
-def _ratio_text(row) -> str:
-    return "n/a" if row["measured"] is None else f"{row['measured']:.2f}x"
-
-
-def _cluster_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("cluster") or []
-    lines = [
-        f"## Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief "
-        "on localhost",
-        "",
-        "| Contender | Replicas (devices) | examples/s | replica ms per update "
-        "| CPU ms per update | CPU ms per 1,000 examples | mean staleness |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        devices = row["devices"] or []
-        staleness = row["mean_staleness"]
-        lines.append(
-            f"| {row['label']} | {len(devices)} ({', '.join(_short(d) for d in devices)}) "
-            f"| {_cell(row['examples_per_second'])} | {_cell(row['replica_ms_per_update'], 2)} "
-            f"| {_cpu_cell(row, 'cpu_ms_per_update')} "
-            f"| {_cpu_cell(row, 'cpu_ms_per_1000_examples')} "
-            f"| {_num(staleness, 2) if staleness is not None else '–'} |"
-        )
-    if not rows:
-        lines.append("| (not run) | | | | | | |")
-    kind = MODELS[plan["cluster_model"]]["description"]
-    lines += ["", *_targets_table(results, CLUSTER_TARGETS), ""]
-    lines += [
-        f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}"
-        + (
-            f" (and {plan['cluster_batch_size'] * plan['cluster_workers']} for tf_diffmap on "
-            "the cluster: a ParameterServerStrategy step trains a whole batch "
-            "on one worker, a tf_diffmap step splits its batch over the replicas, one update "
-            "each; at "
-            f"{plan['cluster_batch_size'] * plan['cluster_workers']} an update trains as many "
-            "examples as a ParameterServerStrategy step)"
-            if plan.get("cluster_update_batch_row")
-            else ""
-        )
-        + f", Adam {plan['learning_rate']:g}, a repeated `tf.data` input with steps_per_epoch "
-        f"({plan['cluster_examples_per_epoch']:,} examples an epoch). tf_diffmap on "
-        f"`LocalCluster(workers={plan['cluster_workers']}, ps={plan['cluster_ps']})` (one "
-        "replica per worker task, the store on the ps task, each worker building its own "
-        "input pipeline, the chief queuing tokens); the same replicas in one process "
-        f"(`Strategy` on {plan['cluster_workers']} logical CPU devices); tf-keras' "
-        "`ParameterServerStrategy` with `model.fit` (its `ClusterCoordinator`) on plain "
-        "`tf.distribute.Server`s of the same shape (`benchmarks.servers`). Every server "
-        "runs on the host's CPUs (GPUs hidden), whatever `--device` says: two worker "
-        "processes of one host would otherwise each take every GPU. Replica ms per update: "
-        "the wall time of the timed `fit` over the updates the replica applied in it (its "
-        "whole cycle: waiting for a shard, the store and gRPC included), median over "
-        "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
-        "time over the steps times the workers (an even spread assumed). "
-        "CPU: "
-        "the user and system CPU time of every process the contender trains in (this "
-        "process and, on a cluster, each server's), read from `/proc` before and after the "
-        "timed window, over the updates applied in it (a ParameterServerStrategy step is "
-        "one update) and over the examples trained in it: what the work costs the host, "
-        "whichever process or core spends it, and steadier than examples/s on a shared "
-        "host.",
-        "",
-    ]
-    return lines
-
-
-def _cpu_cell(row, key: str) -> str:
-    """A CPU figure with the processes it sums (`–` where none was read)."""
-    if row.get(key) is None or row[key].get("median") is None:
-        return "–"
-    return f"{_cell(row[key], 2)} ({_processes(row['cpu_processes'])})"
-
-
-def _processes(count: int) -> str:
-    return f"{count} process{'es' if count != 1 else ''}"
-
-
-def _fault_timeline_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("fault_timeline") or []
-    workers, killed = plan["fault_workers"], plan["fault_worker"]
-    lines = [
-        f"## Fault timeline: {workers} workers + {plan['fault_ps']} ps + chief on localhost, "
-        f"worker {killed} killed and restarted",
-        "",
-    ]
-    if not rows:
-        return lines + ["(not run)", ""]
-    row = rows[0]
-    names = [_short(d) for d in row["devices"]]
-    processes = [n for n in row["windows"]["before"]["cpu_cores"] if n != "host"]
-    lines += [
-        "| Window | examples/s | of the rate before | slowest bin | "
-        + " | ".join(f"{n} examples/s" for n in names)
-        + " | CPU cores: "
-        + ", ".join(processes)
-        + " |",
-        "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
-    ]
-    shares = {
-        "before": None,
-        "outage": row["outage_share"],
-        "restarting": row["restarting_share"],
-        "after": row["after_share"],
+    rows = {
+        "run": f"{results['created']}, preset `{plan['name']}`, {plan['repeats']} repeat(s), "
+        f"{results['seconds'] / 60:.1f} min",
+        "command": f"`{results['command']}`",
+        "machine": f"{machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
+        f"{machine.get('memory_gib')} GiB, {machine.get('platform')}",
+        "load average, start; end": f"{load(machine.get('load_average_start'))}; "
+        f"{load(machine.get('load_average_end'))}",
+        "replicas": _devices(machine),
+        "TensorFlow, Keras": f"{versions.get('tensorflow')}, {versions.get('keras')}",
+        "tf-keras": f"{versions.get('tf_keras')} (`{tf_keras.get('python')}`)"
+        if tf_keras.get("available")
+        else f"not run: {tf_keras.get('reason')}",
+        "MirroredStrategy's cross-device ops": "collective all-reduce"
+        if results["mirrored_reduce"] == "collective"
+        else "ReductionToOneDevice",
+        "inter-op threads": results.get("inter_op_threads") or "TensorFlow's default",
     }
-    spans = {
-        "before": f"{plan['fault_warmup_seconds']:g} s to the kill",
-        "outage": "kill to restart",
-        "restarting": "restart to rejoin",
-        "after": f"{plan['fault_settle_seconds']:g} s after the rejoin to the end",
-    }
-    for name in FAULT_WINDOWS:
-        w = row["windows"][name]
-        share = shares[name]
-        cpu = w["cpu_cores"]
-        lines.append(
-            f"| {name} ({spans[name]}) | {_cell(w['examples_per_second'])} | "
-            + (
-                "–"
-                if share is None
-                else "n/a"
-                if share["median"] is None
-                else f"{share['median']:.2f}x"
-                + (f" ({share['min']:.2f}–{share['max']:.2f})" if len(share["values"]) > 1 else "")
+    if set(plan["workloads"]) & {"throughput", "straggler", "accuracy"}:
+        rows.update(
+            {
+                "global batch, Adam's learning rate": f"{plan['batch_size']}, "
+                f"{plan['learning_rate']:g}",
+                "timed window": f"≥ {plan['min_epochs']} epochs and ≥ {plan['min_seconds']:g} s "
+                "after a warm-up fit",
+                "examples per epoch": ", ".join(
+                    f"{n:,} ({m.upper()})"
+                    for m, n in plan["examples_per_epoch"].items()
+                    if m in plan["models"] or m == plan["straggler_model"]
+                ),
+            }
+        )
+    return _table(
+        "Run", ["Setting", "Value"], [{"Setting": k, "Value": v} for k, v in rows.items()]
+    )
+
+
+def _calibration_table(results) -> dict[str, Any]:
+    rows = []
+    for replicas, entry in results["calibration"].items():
+        delays = entry.get("delays") or {}
+        rows.append(
+            {
+                "Replicas": int(replicas),
+                "t, ms": 1000 * entry["step_seconds"] if "step_seconds" in entry else None,
+                "delays, ms": ", ".join(
+                    f"k={k}: {1000 * d:.1f}" for k, d in delays.items() if int(k) > 1
+                ),
+                "source": entry.get("source") or f"not calibrated: {entry.get('error')}",
+            }
+        )
+    return _table(
+        "Straggler calibration: t, one MirroredStrategy step; replica 0 sleeps (k-1)·t",
+        ["Replicas", "t, ms", "delays, ms", "source"],
+        rows,
+        {"t, ms": "{:.1f}"},
+    )
+
+
+def _contenders(rows) -> list[str]:
+    present = {r["contender"] for r in rows}
+    return [c for c in CONTENDERS if c in present]
+
+
+def _throughput_table(results) -> dict[str, Any]:
+    rows = results["throughput"]
+    labels = {r["contender"]: r["label"] for r in rows}
+    out = []
+    for model, input_ in dict.fromkeys((r["model"], r["input"]) for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["input"] == input_]
+        for replicas in sorted({r["replicas"] for r in mine}):
+            found = {r["contender"]: r for r in mine if r["replicas"] == replicas}
+            row = {
+                "Model": model.upper() + (", NumPy arrays" if input_ == "numpy" else ""),
+                "Replicas": replicas,
+            }
+            row.update({labels[c]: r["examples_per_second"] for c, r in found.items()})
+            if "tf_diffmap" in found and "mirrored" in found:
+                row["tf_diffmap / Mirrored"] = _ratio(
+                    found["tf_diffmap"]["examples_per_second"]["median"],
+                    found["mirrored"]["examples_per_second"]["median"],
+                )
+            out.append(row)
+    names = [labels[c] for c in _contenders(rows)]
+    return _table(
+        "Throughput (examples/s, no straggler)",
+        ["Model", "Replicas", *names, "tf_diffmap / Mirrored"],
+        out,
+        {**{n: "{:,.0f}" for n in names}, "tf_diffmap / Mirrored": "{:.2f}x"},
+    )
+
+
+def _straggler_table(results) -> dict[str, Any]:
+    rows = results["straggler"]
+    ks = sorted({r["slowdown"] for r in rows})
+    top = max(ks, default=None)
+    out = []
+    for replicas in sorted({r["replicas"] for r in rows}):
+        for contender in _contenders(rows):
+            found = {
+                r["slowdown"]: r
+                for r in rows
+                if r["replicas"] == replicas and r["contender"] == contender
+            }
+            if not found:
+                continue
+            row = {"Replicas": replicas, "Contender": next(iter(found.values()))["label"]}
+            for k, r in found.items():
+                row[f"k={k} examples/s"] = r["examples_per_second"]
+                row[f"k={k} s/epoch"] = r["epoch_seconds"]["median"]
+            if top in found:
+                row[f"kept at k={top}"] = found[top]["retention"]
+                row[f"replica 0 share at k={top}"] = found[top]["replica0_share"]
+            out.append(row)
+    columns = ["Replicas", "Contender", *(f"k={k} examples/s" for k in ks)]
+    columns += [f"k={k} s/epoch" for k in ks]
+    columns += [f"kept at k={top}", f"replica 0 share at k={top}"]
+    formats = {c: "{:,.0f}" for c in columns if c.endswith("examples/s")}
+    formats.update({c: "{:.2f}" for c in columns if c.endswith("s/epoch")})
+    formats.update({f"kept at k={top}": "{:.0%}", f"replica 0 share at k={top}": "{:.1%}"})
+    return _table("Straggler (replica 0 k times slower)", columns, out, formats)
+
+
+def _accuracy_table(results) -> dict[str, Any]:
+    rows = results["accuracy"]
+    targets = list(rows[0]["seconds_to"]) if rows else []
+    slowdown = results["plan"]["accuracy_slowdown"]
+    out = []
+    for r in rows:
+        rule = f"drop (> {r['drop_above']})" if r["rule"] == "drop" else r["rule"]
+        row = {
+            "Contender": f"{r['label']} ({r['replicas']})",
+            "Rule": rule,
+            "Straggler": f"replica 0 ×{slowdown}" if r["straggler"] else "none",
+            "final accuracy": r["final_accuracy"],
+            "mean staleness": r["mean_staleness"],
+            "max staleness": r["max_staleness"],
+            "dropped": r["dropped_fraction"],
+            "replica 0 share": r["replica0_share"],
+            "train s": r["train_seconds"],
+        }
+        for t in targets:
+            seconds = r["seconds_to"][t]
+            row[f"s to {float(t):.0%}"] = (
+                seconds
+                if seconds is not None
+                else f"not reached ({r['reached'][t]}/{r['runs']} runs did)"
             )
-            + f" | {_num(w['min_examples_per_second']['median'])} | "
-            + " | ".join(_num(v) for v in w["replica_examples_per_second"])
-            + ("" if w["replica_examples_per_second"] else " | ".join("n/a" for _ in names))
-            + " | "
-            + ", ".join(_num(cpu.get(n), 2) for n in processes)
-            + " |"
-        )
-    lines += ["", "| Delay (median over the runs where it happened) | seconds |", "| --- | --- |"]
-    for key, text in FAULT_DELAYS:
-        lines.append(f"| {text} | {_cell(row['delays'][key], 2)} |")
-    source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
-    lines += [
-        "",
-        *_targets_table(results, FAULT_TARGETS),
-        "",
-        f"{MODELS[plan['cluster_model']]['description']} on digits-shaped random data, "
-        f"global batch {plan['cluster_batch_size']}, Adam {plan['learning_rate']:g}, on "
-        f"`LocalCluster(workers={workers}, ps={plan['fault_ps']})` (one replica per worker "
-        f"task), input: {source}. One `fit` runs for {row['seconds']:g} s of wall time; "
-        f"worker {killed}'s process is killed (SIGKILL) at {row['kill_at']:g} s and "
-        f"started again at its address at {row['restart_at']:g} s. A thread reads "
-        "`strategy.statistics()` (examples per replica) and `replica_states()` every "
-        f"{plan['fault_sample_seconds']:g} s, and the CPU time of each process from "
-        f"`/proc`; rates are per {plan['fault_bin_seconds']:g}-s bin of wall time, each "
-        "window's figure the mean of its bins, then the median over "
-        f"{row['runs']} run(s) (min–max in brackets). CPU cores: CPU seconds per second "
-        "of each process in the window (`other processes`: the rest of the host, which "
-        "is shared). The restarted worker rejoined in "
-        f"{row['rejoined_runs']} of {row['runs']} run(s) and applied updates after its "
-        f"rejoin in {row['trained_after_rejoin_runs']}; its replica was marked lost "
-        f"{', '.join(str(n) for n in row['times_lost'])} time(s) in each run (the kill "
-        "itself once, then once per failed rejoin). The new server used "
-        f"{_num(row['restart_cpu_seconds']['median'], 1)} CPU seconds until it served.",
-        "",
+        if targets:
+            row[f"epochs to {float(targets[-1]):.0%}"] = r["epochs_to"][targets[-1]]
+        out.append(row)
+    reach = [f"s to {float(t):.0%}" for t in targets]
+    epochs = [f"epochs to {float(targets[-1]):.0%}"] if targets else []
+    return _table(
+        f"Time to accuracy (digits, {results['plan']['accuracy_epochs']} epochs)",
+        ["Contender", "Rule", "Straggler", *reach, *epochs, "final accuracy"]
+        + ["mean staleness", "max staleness", "dropped", "replica 0 share", "train s"],
+        out,
+        {
+            **{c: "{:.2f}" for c in reach},
+            **{c: "{:.0f}" for c in epochs},
+            "final accuracy": "{:.4f}",
+            "mean staleness": "{:.2f}",
+            "dropped": "{:.1%}",
+            "replica 0 share": "{:.1%}",
+            "train s": "{:.1f}",
+        },
+    )
+
+
+def _points_table(results) -> dict[str, Any]:
+    plan = results["plan"]
+    rows = [
+        {
+            "Replicas": r["replicas"],
+            "CPU per point, ms": r["point_cpu_ms"],
+            "p90, ms": r["point_cpu_ms_p90"]["median"],
+            "batch, ms": r["ms_per_batch"],
+            "fit, snapshots only": r["snapshots_overhead"]["median"],
+            "fit, every point": r["every_point_overhead"]["median"],
+            "fit, default budget": r["budget_overhead"]["median"],
+            "points at the default budget": r["budget_points"]["median"],
+            "batches per fit": r["batches_per_fit"],
+        }
+        for r in results["points"]
     ]
-    errors = [_root_line(e) for e in row["replica_errors"] if e]
-    if errors:
-        counts = {e: errors.count(e) for e in dict.fromkeys(errors)}
-        lines += [
-            "The error that last made the killed worker's replica lost: "
-            + "; ".join(f"`{e}` ({n} of {row['runs']} runs)" for e, n in counts.items()),
-            "",
-        ]
-    return lines
+    fits = ["fit, snapshots only", "fit, every point", "fit, default budget"]
+    return _table(
+        'Staleness points (`StalenessTensorBoard(update_freq="batch")`)',
+        ["Replicas", "CPU per point, ms", "p90, ms", "batch, ms", *fits]
+        + ["points at the default budget", "batches per fit"],
+        rows,
+        {
+            "CPU per point, ms": "{:.3f}",
+            "p90, ms": "{:.3f}",
+            "batch, ms": "{:.1f}",
+            **{c: "{:+.1%}" for c in fits},
+            "points at the default budget": "{:,.0f}",
+        },
+        [
+            f"digits, MLP, batch {plan['points_batch_size']}, {plan['points_epochs']} epoch(s) "
+            f"per fit, {plan['points_rounds']} round(s); fit: median time against no callback"
+        ],
+    )
+
+
+def _memory_table(results) -> dict[str, Any]:
+    rows = [
+        {
+            "Contender": r["label"],
+            "Replicas": r["replicas"],
+            "after the MLP throughput task": r["peak_rss_mb_mlp"],
+            "whole session": r["peak_rss_mb_session"],
+        }
+        for r in sorted(results["memory"], key=lambda r: (_order(r["contender"]), r["replicas"]))
+    ]
+    columns = ["Contender", "Replicas", "after the MLP throughput task", "whole session"]
+    return _table(
+        "Peak memory (RSS, MiB, per process)",
+        columns,
+        rows,
+        dict.fromkeys(columns[2:], "{:,.0f}"),
+    )
+
+
+def _control_table(results) -> dict[str, Any]:
+    plan = results["plan"]
+    rows = results["control"]
+    spes = plan["control_steps_per_execution"]
+    out = []
+    for contender, k in dict.fromkeys((r["contender"], r["steps_per_loop"]) for r in rows):
+        found = {
+            r["steps_per_execution"]: r
+            for r in rows
+            if r["contender"] == contender and r["steps_per_loop"] == k
+        }
+        first = next(iter(found.values()))
+        row = {
+            "Contender": first["label"],
+            "steps_per_loop": f"{k} (default)" if k == DEFAULT_STEPS_PER_LOOP else k,
+            "updates per step": first["updates_per_step"],
+        }
+        for spe, r in found.items():
+            row[f"spe={spe} updates/s"] = r["updates_per_second"]
+            row[f"spe={spe} CPU µs per update"] = r["cpu_us_per_update"]["median"]
+        out.append(row)
+    rates = [f"spe={n} updates/s" for n in spes]
+    cpu = [f"spe={n} CPU µs per update" for n in spes]
+    return _table(
+        "Control path (updates/s; plain Keras: steps/s)",
+        ["Contender", "steps_per_loop", "updates per step", *rates, *cpu],
+        out,
+        {**dict.fromkeys(rates, "{:,.0f}"), **dict.fromkeys(cpu, "{:,.0f}")},
+        [
+            f"{workloads.CONTROL_MODEL['description']} {plan['control_learning_rate']:g}, "
+            f"global batch {plan['control_batch_size']}, {plan['control_steps_per_epoch']} "
+            f"steps an epoch; spe: steps_per_execution"
+        ],
+    )
+
+
+def _cluster_table(results) -> dict[str, Any]:
+    plan = results["plan"]
+
+    def short(device: str) -> str:
+        parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
+        where = f"{parts['job']} {parts.get('task', 0)} " if "job" in parts else ""
+        return where + parts.get("device", device)
+
+    rows = [
+        {
+            "Contender": r["label"],
+            "devices": ", ".join(short(d) for d in r["devices"]),
+            "examples/s": r["examples_per_second"],
+            "replica ms per update": r["replica_ms_per_update"],
+            "replica time from": r["replica_time_source"],
+            "CPU ms per update": r["cpu_ms_per_update"],
+            "CPU ms per 1,000 examples": r["cpu_ms_per_1000_examples"],
+            "processes": r["cpu_processes"],
+            "mean staleness": r["mean_staleness"],
+        }
+        for r in results["cluster"]
+    ]
+    columns = ["Contender", "devices", "examples/s", "replica ms per update"]
+    columns += ["replica time from", "CPU ms per update", "CPU ms per 1,000 examples"]
+    columns += ["processes", "mean staleness"]
+    model = workloads.MODELS[plan["cluster_model"]]["description"]
+    return _table(
+        f"Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief on "
+        "localhost",
+        columns,
+        rows,
+        {
+            "examples/s": "{:,.0f}",
+            "replica ms per update": "{:.2f}",
+            "CPU ms per update": "{:.2f}",
+            "CPU ms per 1,000 examples": "{:.2f}",
+            "mean staleness": "{:.2f}",
+        },
+        [
+            f"{model}, Adam {plan['learning_rate']:g}, {plan['cluster_examples_per_epoch']:,} "
+            "examples an epoch",
+            "every server ran on the host's CPUs, not on the GPUs --device names"
+            if results["machine"].get("device") == "gpu"
+            else "",
+        ],
+    )
 
 
 def _root_line(error: str) -> str:
@@ -1497,194 +1319,303 @@ def _root_line(error: str) -> str:
     return lines[0][:300] if lines else ""
 
 
-def fault_timeline_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: each window's rate, the rejoin, the targets."""
-    lines = []
-    for row in results.get("fault_timeline") or []:
-        w = row["windows"]
-        lines.append(
-            "fault timeline: examples/s before "
-            f"{_num(w['before']['examples_per_second']['median'])}, while a worker is down "
-            f"{_num(w['outage']['examples_per_second']['median'])}, after the rejoin "
-            f"{_num(w['after']['examples_per_second']['median'])}; restart to rejoin "
-            f"{_num(row['delays']['seconds_restart_to_rejoin']['median'], 1)} s "
-            f"(rejoined in {row['rejoined_runs']} of {row['runs']} runs)"
-        )
-    return lines + target_lines(results, FAULT_TARGETS)
-
-
-def _short(device: str) -> str:
-    """`/job:worker/replica:0/task:1/device:CPU:0` as `worker 1 CPU:0`."""
-    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
-    where = f"{parts['job']} {parts.get('task', 0)} " if "job" in parts else ""
-    return where + parts.get("device", device)
-
-
-def control_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: the control path's rates and its two targets."""
-    rows = results.get("control") or []
-    lines = []
-    for row in rows:
-        k = row["steps_per_loop"]
-        unit = "updates/s" if row["contender"] != "plain_keras" else "steps/s"
-        lines.append(
-            f"control: {row['label']}"
-            + (f" steps_per_loop={k}" if k is not None else "")
-            + f", steps_per_execution={row['steps_per_execution']}: "
-            f"{_num(row['updates_per_second']['median'], 0)} {unit}"
-        )
-    return lines + target_lines(results, CONTROL_TARGETS)
-
-
-def cluster_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: examples/s, replica time per update, the targets."""
-    lines = [
-        f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
-        f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
-        f"({row['replica_time_source']})"
-        + (
-            f"; {_num(row['cpu_ms_per_update']['median'], 2)} ms of CPU per update "
-            f"({_processes(row['cpu_processes'])})"
-            if row.get("cpu_ms_per_update", {}).get("median") is not None
-            else ""
-        )
-        for row in results.get("cluster") or []
-    ]
-    return lines + target_lines(results, CLUSTER_TARGETS)
-
-
-def target_lines(results, keys) -> list[str]:
-    lines = []
-    for t in results["targets"]:
-        if t["key"] in keys:
-            unit = t.get("unit", "x")
-            measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
-            verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
-            lines.append(
-                f"  {t['description']}: {measured} (target {t['comparison']} "
-                f"{t['target']:.3g}{unit}): {verdict}"
-            )
-    return lines
-
-
-def _convergence_section(results) -> list[str]:
+def _fault_tables(results) -> list[dict[str, Any]]:
     plan = results["plan"]
-    devices = plan["convergence_devices"]
-    seeds = len(plan["convergence_seeds"])
-    lines = [
-        "## Convergence: final accuracy on digits, where staleness is real",
-        "",
-        f"Every replica sleeps {1000 * plan['convergence_device_seconds']:g} ms in each "
-        "training step, as it would wait on its own accelerator, using no CPU (TensorFlow's "
-        f"inter-op pool has {plan['convergence_inter_op_threads']} threads for the sleepers): "
-        "without it, replicas on a 2-core host run nearly back to back and staleness stays "
-        f"near 1. tf_diffmap on {devices} logical CPU devices against MirroredStrategy on the "
-        "same devices (sync: the mean gradient of the global batch, which does not depend on "
-        "the replica count, so it is both regimes' reference). Digits (1,437 training and 360 "
-        f"validation images), {plan['convergence_epochs']} epochs; validation accuracy after "
-        f"the last epoch, median of {seeds} seeds (min–max), then the measured mean staleness "
-        "(median over the seeds) / the largest. Bold: below 0.5 (chance is 0.1). A row whose "
-        "default rule's mean staleness falls short of its regime's floor is invalid, never "
-        "met. `momentum` applies to SGD with momentum only; `drop` drops updates staler than "
-        "twice N - 1 for N replicas.",
-        "",
-    ]
-    for regime, per_device, floor in plan["convergence_regimes"]:
-        replicas = devices * per_device
-        lines += [
-            f"### {regime.capitalize()} staleness: {replicas} replicas "
-            f"({devices} devices x {per_device}); floor: mean staleness {floor:g}",
-            "",
-            *_convergence_table(results, regime, per_device, floor),
-            "",
-        ]
-    models = workloads.CONVERGENCE_MODELS
-    lines += [
-        "Models: "
-        + "; ".join(
-            f"`{name}` {spec['description']}, global batch {spec['batch_size']}"
-            for name, spec in models.items()
-        )
-        + ".",
-        "",
-    ]
-    return lines
-
-
-def _timed_sections(results) -> list[str]:
-    plan = results["plan"]
-    calibration = results["calibration"]
-    return [
-        f"- Replicas are {_devices_text(results)} "
-        "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
-        f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
-        "and devices for every contender; MirroredStrategy with "
-        + (
-            "its default collective all-reduce."
-            if results["mirrored_reduce"] == "collective"
-            else "`cross_device_ops=tf.distribute.ReductionToOneDevice()` (faster here than "
-            "its default collective all-reduce on CPUs)."
-        ),
-        f"- Each contender configuration runs in its own process; the contenders alternate "
-        f"round by round; figures are medians of {plan['repeats']} runs (min–max in "
-        "brackets). A timed window follows a warm-up `fit` that traces the step and lasts "
-        f"at least {plan['min_epochs']} epochs and {plan['min_seconds']:g} s; an epoch is "
-        + ", ".join(
-            f"{n:,} examples ({m.upper()})"
-            for m, n in plan["examples_per_epoch"].items()
-            if m in plan["models"] or m == plan["straggler_model"]
-        )
-        + ", and its time includes the drain at its end.",
-        "- Straggler: replica 0 sleeps (k-1)·t in each training step "
-        "(`tf_diffmap.testing.ReplicaDelay`, keyed on the replica id, so the same replica "
-        "sleeps the same time under every contender), with t the time of one "
-        "MirroredStrategy step without a straggler: "
-        + "; ".join(_calibration_text(n, c) for n, c in calibration.items())
-        + ".",
-        "",
-        "## Targets",
-        "",
-        *_targets_table(results),
-        "",
-        "## Throughput (examples/s, no straggler)",
-        "",
-        *_throughput_table(results),
-        "",
-        "## Straggler (replica 0 k times slower)",
-        "",
-        *_straggler_table(results),
-        "",
-        "Kept: throughput at the largest k over the same contender's k=1 (same model, delay "
-        "layer set to 0 s). Replica 0 share: its fraction of the updates (tf_diffmap only).",
-        "",
-        f"## Time to accuracy (digits, {plan['accuracy_epochs']} epochs)",
-        "",
-        *_accuracy_table(results),
-        "",
-        "Seconds of training (the clock stops while the callback measures) until the "
-        "validation accuracy at an epoch's end first reaches the target; medians over runs, "
-        "a run that never reached it counting as slowest. Staleness: versions applied by "
-        "others between a replica's read and its update.",
-        "",
-        *_points_section(results),
-        "## Peak memory (RSS, MiB, per process)",
-        "",
-        *_memory_table(results),
-        "",
-        "After the MLP throughput task / at the end of the session (which ran more tasks). "
-        "TensorFlow itself takes most of it.",
-        "",
-    ]
-
-
-def _load(values) -> str:
-    return "/".join(f"{v:.1f}" for v in values) if values else "n/a"
-
-
-def _calibration_text(replicas, entry) -> str:
-    if "step_seconds" not in entry:
-        return f"{replicas} replicas: not calibrated ({entry.get('error')})"
-    delays = ", ".join(
-        f"k={k}: {1000 * d:.0f} ms" for k, d in entry["delays"].items() if int(k) > 1
+    title = (
+        f"Fault timeline: {plan['fault_workers']} workers + {plan['fault_ps']} ps + chief on "
+        f"localhost, worker {plan['fault_worker']} killed and restarted"
     )
-    return f"{replicas} replicas t = {1000 * entry['step_seconds']:.1f} ms ({delays})"
+    if not results["fault_timeline"]:
+        return [_table(title, ["Window"], [])]
+    row = results["fault_timeline"][0]
+    workers = [f"worker {i} examples/s" for i in range(row["workers"])]
+    processes = [n for n in row["windows"]["before"]["cpu_cores"] if n != "host"]
+    spans = {
+        "before": f"{plan['fault_warmup_seconds']:g} s to the kill",
+        "outage": "kill to restart",
+        "restarting": "restart to rejoin",
+        "after": f"{plan['fault_settle_seconds']:g} s after the rejoin to the end",
+    }
+    windows = []
+    for name in FAULT_WINDOWS:
+        w = row["windows"][name]
+        windows.append(
+            {
+                "Window": f"{name} ({spans[name]})",
+                "examples/s": w["examples_per_second"],
+                "of the rate before": row.get(f"{name}_share"),
+                "slowest bin": w["min_examples_per_second"]["median"],
+                **dict(zip(workers, w["replica_examples_per_second"])),
+                **{f"CPU cores: {n}": w["cpu_cores"].get(n) for n in processes},
+            }
+        )
+    cores = [f"CPU cores: {n}" for n in processes]
+    runs = row["runs"]
+    facts = [{"What": text, "Value": row["delays"][key]} for key, text in FAULT_DELAYS]
+    facts += [
+        {"What": "runs where the worker rejoined", "Value": f"{row['rejoined_runs']} of {runs}"},
+        {
+            "What": "runs where it applied updates after its rejoin",
+            "Value": f"{row['trained_after_rejoin_runs']} of {runs}",
+        },
+        {
+            "What": "times its replica was marked lost, per run",
+            "Value": ", ".join(map(str, row["times_lost"])),
+        },
+        {
+            "What": "CPU seconds of the new server until it served",
+            "Value": row["restart_cpu_seconds"],
+        },
+    ]
+    errors = [_root_line(e) for e in row["replica_errors"] if e]
+    notes = [
+        f"the error that last made the killed worker's replica lost: `{e}` "
+        f"({errors.count(e)} of {runs} runs)"
+        for e in dict.fromkeys(errors)
+    ]
+    notes += [f"script error: {e}" for e in row["script_errors"]]
+    source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
+    return [
+        _table(
+            title,
+            ["Window", "examples/s", "of the rate before", "slowest bin", *workers, *cores],
+            windows,
+            {
+                "examples/s": "{:,.0f}",
+                "of the rate before": "{:.2f}x",
+                "slowest bin": "{:,.0f}",
+                **dict.fromkeys(workers, "{:,.0f}"),
+                **dict.fromkeys(cores, "{:.2f}"),
+            },
+            [
+                f"{workloads.MODELS[plan['cluster_model']]['description']}, global batch "
+                f"{plan['cluster_batch_size']}, input: {source}; fit of {row['seconds']:g} s, "
+                f"kill at {row['kill_at']:g} s, restart at {row['restart_at']:g} s; "
+                f"{plan['fault_bin_seconds']:g}-s bins; {runs} run(s)"
+            ],
+        ),
+        _table(
+            "Fault timeline: the worker's return",
+            ["What", "Value"],
+            facts,
+            {"Value": "{:.2f}"},
+            notes,
+        ),
+    ]
+
+
+def _embedding_tables(results) -> list[dict[str, Any]]:
+    plan = results["plan"]
+    table = results["embeddings"]
+    on_cluster = plan.get("embedding_cluster_contenders", ())
+    small, large = min(plan["embedding_rows"]), max(plan["embedding_rows"])
+    rows = [
+        {
+            "Optimizer": r["optimizer"],
+            "Rows": r["rows"],
+            "MB": r["table_mb"],
+            "Contender": r["contender"],
+            "examples/s": r["examples_per_second"],
+            "CPU s / 1k ex.": r["cpu_seconds_per_1000_examples"],
+            "val. accuracy": r["val_accuracy"],
+            "best val. accuracy": r["best_val_accuracy"],
+            "mean staleness": r["mean_staleness"],
+        }
+        for r in table
+        if r["contender"] not in on_cluster
+    ]
+
+    def eps(contender, table_rows, optimizer):
+        row = _find(table, contender=contender, rows=table_rows, optimizer=optimizer)
+        return row["examples_per_second"] if row else None
+
+    scaling = [
+        {
+            "Optimizer": o,
+            **{c: _ratio(eps(c, large, o), eps(c, small, o)) for c in plan["embedding_contenders"]},
+        }
+        for o in plan["embedding_optimizers"]
+    ]
+    acc = "{:.3f}"
+    out = [
+        _table(
+            "Embeddings: cost per update against table size",
+            list(rows[0]) if rows else ["Optimizer", "Rows", "Contender", "examples/s"],
+            rows,
+            {
+                "MB": "{:.1f}",
+                "examples/s": "{:,.0f}",
+                "CPU s / 1k ex.": "{:.3f}",
+                "val. accuracy": acc,
+                "best val. accuracy": acc,
+                "mean staleness": "{:.2f}",
+            },
+            [
+                f"{plan['embedding_replicas']} replicas for tf_diffmap, batch "
+                f"{plan['embedding_batch_size']}, {plan['embedding_examples_per_epoch']:,} "
+                f"examples an epoch, {plan['embedding_epochs']} epochs (the first not timed)"
+            ],
+        ),
+        _table(
+            f"Embeddings: examples/s at {large:,} rows / at {small:,}",
+            ["Optimizer", *plan["embedding_contenders"]],
+            scaling,
+            dict.fromkeys(plan["embedding_contenders"], "{:.2f}x"),
+        ),
+    ]
+    cluster = [r for r in table if r["contender"] in on_cluster]
+    if cluster:
+        out.append(
+            _table(
+                f"Embeddings on a localhost cluster ({plan['embedding_cluster_workers']} workers, "
+                f"{plan['embedding_cluster_ps']} ps, {plan['embedding_cluster_rows']:,} rows "
+                "split over the ps tasks)",
+                ["Optimizer", "Contender", "examples/s", "CPU s / 1k ex.", "KB sent / update"]
+                + ["table shards"],
+                [
+                    {
+                        "Optimizer": r["optimizer"],
+                        "Contender": r["contender"],
+                        "examples/s": r["examples_per_second"],
+                        "CPU s / 1k ex.": r["cpu_seconds_per_1000_examples"],
+                        "KB sent / update": r["bytes_sent_per_update"]
+                        and r["bytes_sent_per_update"] / 1024,
+                        "table shards": ", ".join(
+                            f"{shape[0]:,} rows on {device.split('/device')[0]}"
+                            for device, shape in r.get("table_shards") or []
+                        ),
+                    }
+                    for r in cluster
+                ],
+                {
+                    "examples/s": "{:,.0f}",
+                    "CPU s / 1k ex.": "{:.3f}",
+                    "KB sent / update": "{:,.0f}",
+                },
+                [f"{plan['embedding_batch_size']} examples in each update for both"],
+            )
+        )
+    return out
+
+
+def convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
+    """A row's verdict on the default rule, and whether it met its target
+    (None when the row does not measure its regime)."""
+    if default is None or sync is None:
+        return "n/a", None
+    staleness = default["mean_staleness"]["median"]
+    if staleness is None or staleness < floor:
+        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
+    acc = default["final_accuracy"]
+    worst = acc["min"] if acc["min"] is not None else acc["median"]
+    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
+    short = [
+        name
+        for name, row in references
+        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
+    ]
+    if worst < COLLAPSED:
+        short.append(f"a run at {worst:.3f}")
+    return ("missed (" + ", ".join(short) + ")", False) if short else ("met", True)
+
+
+def _accuracy_cell(row, staleness: bool = False) -> str | None:
+    if row is None:
+        return None
+    text = cell(row["final_accuracy"], "{:.3f}")
+    if row["final_accuracy"]["median"] is not None and row["final_accuracy"]["median"] < COLLAPSED:
+        text = f"**{text}**"
+    mean = row["mean_staleness"]["median"]
+    if staleness and mean is not None:
+        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
+    return text
+
+
+def _convergence_tables(results) -> list[dict[str, Any]]:
+    plan = results["plan"]
+    rows, rules = results["convergence"], list(plan["convergence_rules"])
+    devices = plan["convergence_devices"]
+    names = [f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules]
+    out = []
+    for regime, per_device, floor in plan["convergence_regimes"]:
+        lines, verdicts = [], []
+        for model, optimizer in plan["convergence_rows"]:
+            key = {"model": model, "optimizer": optimizer}
+            sync = _find(rows, regime="sync", rule=None, **key)
+            found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
+            default, none = found.get("auto"), found.get("none")
+            verdict, ok = convergence_verdict(regime, floor, default, sync, none)
+            verdicts.append(ok)
+            line = {
+                "Model": model,
+                "Optimizer": workloads.convergence_optimizer_label(model, optimizer),
+                "sync": _accuracy_cell(sync),
+                **{n: _accuracy_cell(found[r], True) for n, r in zip(names, rules)},
+                "target": verdict,
+            }
+            for column, reference in (("default − sync", sync), ("default − `none`", none)):
+                if default and reference:
+                    line[column] = 100 * (
+                        default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
+                    )
+            lines.append(line)
+        valid = [v for v in verdicts if v is not None]
+        out.append(
+            _table(
+                f"Convergence, {regime} staleness: {devices * per_device} replicas ({devices} "
+                f"devices x {per_device}); floor: mean staleness {floor:g}",
+                ["Model", "Optimizer", "sync", *names, "default − sync", "default − `none`"]
+                + ["target"],
+                lines,
+                {"default − sync": "{:+.1f}", "default − `none`": "{:+.1f}"},
+                [
+                    "target: the default's median within 1 point of sync"
+                    + (" and of `none`" if regime == "low" else "")
+                    + f", no run below {COLLAPSED}: met in {sum(valid)} of {len(valid)} valid "
+                    f"rows; {len(verdicts) - len(valid)} rows invalid or missing",
+                    f"digits, {plan['convergence_epochs']} epochs, median of "
+                    f"{len(plan['convergence_seeds'])} seed(s); (s mean / max staleness)",
+                ],
+            )
+        )
+    return out
+
+
+def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every table of a results document, in the order of `results.md`."""
+    chosen = set(results["plan"]["workloads"])
+    out = [_run_table(results), _targets_table(results)]
+    if chosen & {"throughput", "straggler", "accuracy"}:
+        out.append(_calibration_table(results))
+    if "throughput" in chosen:
+        out.append(_throughput_table(results))
+    if "straggler" in chosen:
+        out.append(_straggler_table(results))
+    if "accuracy" in chosen:
+        out.append(_accuracy_table(results))
+    if results["points"]:
+        out.append(_points_table(results))
+    if results["memory"]:
+        out.append(_memory_table(results))
+    if "control" in chosen:
+        out.append(_control_table(results))
+    if "cluster" in chosen:
+        out.append(_cluster_table(results))
+    if "fault_timeline" in chosen:
+        out += _fault_tables(results)
+    if "embeddings" in chosen:
+        out += _embedding_tables(results)
+    if "convergence" in chosen:
+        out += _convergence_tables(results)
+    if results["errors"]:
+        columns = ["round", "contender", "replicas", "task", "error"]
+        out.append(_table("Errors", columns, results["errors"]))
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """`results.md`: every table, then the figures."""
+    parts = ["# tf_diffmap benchmarks", ""] + [render(t) for t in results["tables"]]
+    if results.get("figures"):
+        parts += ["## Figures", ""] + [f"![{f}]({f})\n" for f in results["figures"]]
+    return "\n".join(parts)
