@@ -1,48 +1,19 @@
-"""One benchmark session: one contender on one number of logical CPU devices.
+"""One benchmark session: one contender on one number of devices, in its own process.
 
-Run by the suite as a subprocess, since logical devices must be made before
-TensorFlow initializes:
+Logical devices must be made before TensorFlow initializes, so the suite
+runs each session as a subprocess:
 
     python -m benchmarks.worker --json-config '{"contender": "mirrored", "replicas": 4,
         "tasks": [{"kind": "throughput", "model": "mlp", ...}]}'
 
-It runs the session's tasks in order and prints one line, `RESULT_PREFIX`
-followed by the results as JSON, on standard output. A task that fails is
-reported as failed (with the error) and the session goes on with the next.
-
-Tasks:
-
-- `throughput`: examples per second of `fit` on synthetic data, after a
-  warm-up `fit` that traces the step; timed epoch by epoch until both
-  `min_epochs` and `min_seconds` are reached.
-- `straggler`: the same with a `ReplicaDelay` layer that makes replica 0 sleep,
-  timed once per sleep in `delays` (the layer is traced once; only its
-  `seconds` changes between windows).
-- `accuracy`: time to accuracy on scikit-learn's digits: training time (the
-  clock stops while the callback measures) until the validation accuracy at
-  an epoch's end first reaches each target, within a budget of epochs. The
-  accuracy is computed in NumPy from the weights, the same way for everyone.
-- `control`: the control path's ceiling: a `Dense(1)` on 8 inputs, batch 16,
-  compiled with the task's `steps_per_execution`; Keras steps per second and
-  (under tf_diffmap) updates per second, from the median epoch.
-- `cluster`: examples per second of the wide MLP on a localhost cluster (or
-  the same replicas in one process), and each replica's time per update.
-- `fault_timeline` (tf_diffmap on a localhost cluster only): examples/s per
-  second of wall time while one worker is killed (SIGKILL) and restarted at
-  the same address, per replica, with each process' CPU time (see
-  `benchmarks.timeline`).
-- `convergence`: final validation accuracy on digits after a fixed number
-  of epochs, every replica sleeping its emulated device time in each step,
-  with the measured staleness.
-- `points` (tf_diffmap only): what `StalenessTensorBoard(update_freq="batch")`
-  costs on digits: the CPU time of a point, and `fit` without the callback,
-  with every point, and with the default overhead budget.
-
-Every `fit` reads a repeated `tf.data.Dataset` with `steps_per_epoch`
-(`workloads.dataset`), so no contender rebuilds its input iterator per epoch;
-a throughput task with `"input": "numpy"` passes NumPy arrays to `fit`
-instead, as most Keras code does, and then pays for whatever Keras rebuilds
-every epoch.
+It runs the session's tasks in order (`TASKS`: one function per kind, whose
+docstring says what it measures; `docs/benchmarks.md` says how the tables
+read) and prints one line, `RESULT_PREFIX` and the results as JSON. A task
+that fails is reported with its error and the session goes on. Every `fit`
+reads a repeated `tf.data.Dataset` with `steps_per_epoch`
+(`workloads.dataset`), so no contender rebuilds its input iterator per
+epoch, but a throughput task with `"input": "numpy"`, which passes NumPy
+arrays to `fit` as most Keras code does.
 """
 
 from __future__ import annotations
@@ -219,6 +190,8 @@ def _warmed_up_model(rt, task: dict, seed: int):
 
 
 def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Examples/s of `fit` on synthetic data, after a warm-up `fit` that
+    traces the step, epoch by epoch until `min_epochs` and `min_seconds`."""
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
     out = _timed_fit(rt, model, x, y, task)
     out["warmup_seconds"] = warmup
@@ -322,6 +295,9 @@ def run_embeddings(rt, task: dict, seed: int) -> dict[str, Any]:
 
 
 def run_straggler(rt, task: dict, seed: int) -> dict[str, Any]:
+    """The same, with a `ReplicaDelay` layer making replica 0 sleep: a timed
+    window per sleep in `delays` (the layer is traced once, only its
+    `seconds` changes)."""
     x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
     rt.keras.utils.set_random_seed(seed)
     with rt.scope():
@@ -346,6 +322,9 @@ def _optimizer_variables(optimizer) -> list:
 
 
 def run_accuracy(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Training seconds on digits until the validation accuracy at an epoch's
+    end first reaches each target, within a budget of epochs (the clock
+    stops while the accuracy is computed, in NumPy, alike for everyone)."""
     x_train, x_val, y_train, y_val = workloads.digits_data(seed)
     batch_size = task["batch_size"]
     rt.keras.utils.set_random_seed(seed)
