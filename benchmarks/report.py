@@ -97,9 +97,9 @@ def _order(contender: str) -> int:
 
 def _records(runs, kind: str):
     """Every successful task of `kind` as one flat record: the session's
-    config and result, the task's result and the task, with the staleness figures
-    and replica 0's share of the updates read out. A straggler task gives a
-    record per window (per slowdown)."""
+    config and result, the task's result and the task, with the staleness
+    figures and replica 0's share of the updates read out. A straggler task
+    gives a record per window (per slowdown)."""
     for run in runs:
         session = run["result"]
         for entry in session.get("tasks", []):
@@ -197,7 +197,8 @@ def _errors(runs) -> list[dict[str, Any]]:
         if session.get("status") != "ok":
             detail = session.get("stderr_tail") or session.get("traceback")
             out.append({**where, "task": None, "error": session.get("error"), "detail": detail})
-        for entry in session.get("tasks", []) if session.get("status") == "ok" else []:
+            continue
+        for entry in session.get("tasks", []):
             result = entry["result"]
             if result.get("status") != "ok":
                 out.append(

@@ -14,7 +14,7 @@
 `--device` picks the replicas' devices: logical CPU devices, or GPUs (one
 per replica, or slices of the first GPU when there are fewer GPUs than
 replicas); `auto` takes the GPUs when the `--python` sees any. The cluster
-workload runs on CPUs whatever the device (see `benchmarks.report`).
+workload runs on CPUs whatever the device (see `docs/benchmarks.md`).
 """
 
 from __future__ import annotations
