@@ -152,11 +152,11 @@ def _rows(records, by, spreads=(), medians=(), firsts=(), extra=None, max_stalen
     return sorted(rows, key=order)
 
 
-def _find(rows, **match):
+def _find(rows, /, **match):
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
-def _rate(rows, field="examples_per_second", **match):
+def _rate(rows, field="examples_per_second", /, **match):
     """The median of `field` in the row that matches (None: no such row)."""
     row = _find(rows, **match)
     value = row and row[field]
