@@ -947,7 +947,10 @@ def _fault_tables(results) -> list[dict[str, Any]]:
             "What": "runs where it applied updates after its rejoin",
             "Value": f"{row['trained_after_rejoin_runs']} of {runs}",
         },
-        {"What": "times its replica was marked lost, per run", "Value": row["times_lost"]},
+        {
+            "What": "times its replica was marked lost, per run",
+            "Value": ", ".join(map(str, row["times_lost"])),
+        },
         {
             "What": "CPU seconds of the new server until it served",
             "Value": row["restart_cpu_seconds"],

@@ -119,6 +119,24 @@ MADE_UP = {
     ("tf_diffmap", 4): (3000.0, 3400.0),
 }
 CONTROL = {"plain_keras": (1000.0, 400.0), "tf_diffmap": (300.0, 200.0)}
+# Examples/s and best validation accuracy per contender and table size.
+EMBEDDINGS = {
+    ("plain_keras", 2_000): (500.0, 0.75),
+    ("plain_keras", 20_000): (100.0, 0.81),
+    ("tf_diffmap", 2_000): (800.0, 0.7421875),
+    ("tf_diffmap", 20_000): (720.0, 0.805),
+}
+
+
+def _embeddings(rows: int, eps: float, accuracy: float):
+    task = {"kind": "embeddings", "rows": rows, "optimizer": "sgd"}
+    return task, {
+        "examples_per_second": eps,
+        "table_mb": rows * 32 * 4 / 2**20,
+        "cpu_seconds_per_1000_examples": 0.02,
+        "val_accuracy": accuracy,
+        "best_val_accuracy": accuracy,
+    }
 
 
 def _made_up_results():
@@ -129,6 +147,9 @@ def _made_up_results():
         for contender, steps in CONTROL.items():
             tasks = [_control(contender, spe, s) for spe, s in zip((16, 1), steps)]
             runs.append(_session(round_, contender, 1 if contender == "plain_keras" else 4, tasks))
+    for (contender, rows), (eps, accuracy) in EMBEDDINGS.items():
+        task = _embeddings(rows, eps, accuracy)
+        runs.append(_session(0, contender, 1 if contender == "plain_keras" else 4, [task]))
     plan = plans.Plan(
         name="made-up",
         repeats=2,
@@ -136,7 +157,10 @@ def _made_up_results():
         replicas=(1, 4),
         models=("mlp",),
         numpy_input_replicas=(),
-        workloads=("throughput", "control"),
+        workloads=("throughput", "control", "embeddings"),
+        embedding_rows=(2_000, 20_000),
+        embedding_optimizers=("sgd",),
+        embedding_cluster_rows=None,
     )
     results = report.build(
         plan=plan,
@@ -157,6 +181,9 @@ def test_targets_are_the_ratios_of_their_rows_and_met_compares_them():
     assert set(targets) == {"overhead", "even_vs_mirrored", "even_vs_central"} | {
         "control_spe16",
         "control_spe1",
+        "embedding_scaling",
+        "embedding_vs_keras",
+        "embedding_accuracy",
     }
     # Medians: plain Keras 1,100, tf_diffmap 1,050 on one device; 3,200 against 1,000 on four.
     assert targets["overhead"]["measured"] == pytest.approx(1050 / 1100)
@@ -169,6 +196,11 @@ def test_targets_are_the_ratios_of_their_rows_and_met_compares_them():
     assert targets["control_spe16"]["measured"] == pytest.approx(1200 / 1000)
     assert targets["control_spe1"]["measured"] == pytest.approx(800 / 400)
     assert targets["control_spe1"]["met"] is False  # below 2.5x
+    assert targets["embedding_scaling"]["measured"] == pytest.approx(720 / 800)
+    assert targets["embedding_vs_keras"]["measured"] == pytest.approx(7.2)
+    # The worst of tf_diffmap's best accuracy against plain Keras', in points.
+    assert targets["embedding_accuracy"]["measured"] == pytest.approx(-0.78125)
+    assert targets["embedding_accuracy"]["met"] is True  # the threshold is -1 point
     assert results["tables"] == json.loads(json.dumps(results["tables"]))
 
 
@@ -203,6 +235,8 @@ def test_tables_have_a_row_per_configuration_and_print_its_figures():
     assert "| tf_diffmap | 32 | 16 | 4 | 1,200 (1,200–1,200) | 100 (100–100) |" in markdown
     memory = _table(results, "Peak memory")
     assert len(memory["rows"]) == len(MADE_UP)  # the control sessions are not counted
+    assert "| sgd | 20,000 | 2.4 | tf_diffmap | 720 | 0.020 | 0.805 | 0.805 | – |" in markdown
+    assert "| sgd | 0.20x | 0.90x |" in markdown  # examples/s at 20,000 rows / at 2,000
 
 
 def test_cells_print_spreads_and_nothing_alike():
