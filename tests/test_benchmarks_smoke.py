@@ -295,13 +295,14 @@ def test_smoke_run_writes_results(tmp_path):
     assert [t["title"].split(" (")[0].split(":")[0] for t in results["tables"]] == [
         "Run",
         "Targets",
-        "Straggler calibration",
         "Throughput",
         "Straggler",
         "Time to accuracy",
         "Staleness points",
         "Peak memory",
     ]
+    # The plan's step, not a calibration: (k - 1) x 2 ms.
+    assert "| straggler t, 2 replicas | 2.0 ms (k=2: 2.0 ms; fixed by the plan) |" in markdown
     # The smoke preset runs no contender on 4 devices: no target is measured, each says why.
     targets = {t["key"]: t for t in results["targets"]}
     assert set(targets) == TIMED_TARGETS
