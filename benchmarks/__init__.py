@@ -7,21 +7,20 @@ minutes); it writes `results.json`, `results.md` and PNG plots to
 Each contender configuration runs in its own subprocess (`benchmarks.worker`),
 because logical CPU devices can only be made before TensorFlow initializes;
 the parent (`benchmarks.suite`) interleaves the contenders across repeats and
-reports medians. Modules:
+reports medians. What each table shows is in `docs/benchmarks.md`. Modules:
 
 - `plan`: what a full, quick or smoke run measures (presets, one place);
 - `workloads`: data sets and models, shared by Keras 3 and tf-keras;
 - `contenders`: the strategies compared, and how each is built;
 - `servers`: plain `tf.distribute.Server`s on localhost, for tf-keras'
-  ParameterServerStrategy (whose environment has no `tf_diffmap`);
+  ParameterServerStrategy;
 - `worker`: runs one session (one contender, one device count) and prints JSON;
-- `floor`: the cluster workload's floor, a bare TensorFlow parameter-server
-  loop (no Keras, no input pipeline, no tf_diffmap bookkeeping);
 - `suite`: the command line, calibration, interleaved repeats;
 - `timeline`: the fault timeline's threads (sampling the strategy's counters,
   killing and restarting a worker) and its arithmetic (rates per second);
-- `report`: medians, the issue's targets, `results.md`;
-- `plots`: the PNG figures.
+- `report`: medians, the targets, and the tables of `results.md`;
+- `plots`: the PNG figures;
+- `checkouts`: the replicas' loops of two checkouts of tf_diffmap, side by side.
 
 Nothing in this package is imported by `tf_diffmap` itself, and importing
 `benchmarks` does not import TensorFlow.

@@ -5,10 +5,7 @@ them); `Runtime` builds one inside a worker process, after the logical devices
 are made. Each contender gets the same devices (logical CPU devices, or GPUs
 with `device="gpu"`), the same model, the same data and the same global batch
 size. The cluster contenders start their own localhost cluster of worker
-and ps processes, which `Runtime.close` stops; one of them, the floor, is no
-strategy at all but a bare TensorFlow loop on that cluster (`benchmarks.floor`),
-as the control workload's floor is Keras' own loop feeding bare TensorFlow
-loops on the same devices as tf_diffmap's.
+and ps processes, which `Runtime.close` stops.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from benchmarks.plan import CLUSTER_CONTENDERS, CONTROL_FLOORS
+from benchmarks.plan import CLUSTER_CONTENDERS
 
 __all__ = ["CONTENDERS", "Contender", "Runtime", "label"]
 
@@ -57,9 +54,6 @@ CONTENDERS = {
         Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
         Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
         Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
-        Contender("floor_cluster", "bare TensorFlow loop (floor), localhost cluster"),
-        Contender("floor_control", "bare TensorFlow loops (floor)"),
-        Contender("floor_keras_control", "bare TensorFlow loops of Keras' train step (floor)"),
     )
 }
 
@@ -104,7 +98,6 @@ class Runtime:
 
     Attributes:
         devices: the replicas' devices (the workers', on a cluster).
-        parameter_devices: the ps tasks' devices of `floor_cluster`, else empty.
     """
 
     def __init__(
@@ -136,7 +129,6 @@ class Runtime:
         self.device = device
         self.cluster = cluster
         self._servers = None  # the localhost cluster of a cluster contender
-        self.parameter_devices: list[str] = []
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if self.legacy:
             os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -204,8 +196,8 @@ class Runtime:
 
     def _make_strategy(self):
         tf = self.tf
-        if self.name in ("plain_keras", *CONTROL_FLOORS):
-            return None  # the control floors are Keras' own loop (`benchmarks.floor`)
+        if self.name == "plain_keras":
+            return None
         if self.name == "tf_diffmap_cluster":
             from tf_diffmap import cluster
 
@@ -215,13 +207,6 @@ class Runtime:
             )
             self.devices = list(strategy.replica_devices)
             return strategy
-        if self.name == "floor_cluster":
-            from tf_diffmap import cluster
-
-            # The same servers as tf_diffmap's, and only the connection: no strategy.
-            self._servers = self._start_local_cluster()
-            self.devices, self.parameter_devices = cluster.connect(self._servers.resolver())
-            return None
         if self.name == "parameter_server":
             import sys
 
@@ -284,7 +269,7 @@ class Runtime:
         return options
 
     def scope(self):
-        """The strategy's scope (a no-op for plain Keras and the floor)."""
+        """The strategy's scope (a no-op for plain Keras)."""
         if self.strategy is None:
             return contextlib.nullcontext()
         return self.strategy.scope()

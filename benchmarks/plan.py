@@ -18,7 +18,6 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
-    "CONTROL_FLOORS",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
@@ -38,211 +37,83 @@ WORKLOADS = (
     "convergence",
 )
 
-# The control workload's floors (`benchmarks.floor.QueueLoops`): bare loops
-# with a hand-written update, and bare loops of Keras' own train step.
-CONTROL_FLOORS = ("floor_control", "floor_keras_control")
-
 # Contenders that only the cluster workload runs (each brings its own cluster).
-CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server", "floor_cluster")
+CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
 
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
-SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster", "floor_cluster")
+SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster",)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Settings of one benchmark run.
+    """Settings of one benchmark run; each field's comment says what it sets.
 
-    Attributes:
-        name: the preset's name.
-        repeats: rounds; every session runs once per round and the report
-            takes medians over rounds.
-        contenders: which contenders run (a subset of `CONTENDERS`).
-        replicas: device counts of the throughput workload (1 is also the
-            overhead workload).
-        one_device_contenders: the contenders run on 1 device (None: all). By
-            default plain Keras and tf_diffmap (the overhead): on one device
-            the synchronous strategies have nothing to synchronize, and plain
-            Keras is their one-replica reference.
-        models: models of the throughput workload.
-        numpy_input_replicas: device counts where the MLP's throughput is also
-            measured with NumPy arrays given to `fit` (Keras then makes a new
-            input iterator every epoch, which a multi-device strategy pays for).
-        straggler_replicas: device counts of the straggler workload.
-        slowdowns: how many times slower replica 0 is made (1 = no straggler,
-            always measured as the reference).
-        straggler_model: the model of the straggler workload.
-        accuracy_replicas: device count of the time-to-accuracy workload.
-        accuracy_slowdown: the straggler's slowdown there.
-        accuracy_epochs: the fixed budget, in epochs over digits' training set.
-        accuracy_rules: `AsyncOptimizer` rules run under `tf_diffmap`.
-        accuracy_references: also run MirroredStrategy and tf_diffmap without
-            the straggler.
-        accuracy_contenders: the contenders of that workload (None: all).
-        accuracy_targets: validation accuracies to time.
-        batch_size: the global batch size, the same for every contender.
-        learning_rate: Adam's learning rate, the same for every contender.
-        examples_per_epoch: per model, the synthetic examples of one epoch.
-        min_epochs: a timed window lasts at least this many epochs...
-        min_seconds: ... and at least this many seconds.
-        max_staleness: the bound of the bounded tf_diffmap contender.
-        drop_above: the bound of the "drop" rule.
-        step_seconds: the straggler's unit of delay: None measures it (one
-            MirroredStrategy step per device count, before the rounds);
-            a number skips that calibration.
-        points_replicas: device count of the staleness-points task (the
-            cost of `StalenessTensorBoard(update_freq="batch")`, tf_diffmap
-            only); None skips it.
-        points_batch_size: its batch size (the README example's).
-        points_epochs: epochs of each of its `fit`s over digits.
-        points_rounds: its rounds of (no callback, every point, default budget).
-        seed: seeds data, weights and shuffling.
-        workloads: which of `WORKLOADS` run. "convergence" is not in the
-            presets' defaults (it trains about 300 models); run it alone with
-            `python -m benchmarks --only convergence`.
-        convergence_devices: logical CPU devices of the convergence table
-            (MirroredStrategy, the synchronous reference, uses them all).
-        convergence_regimes: (name, replicas per device, the mean staleness
-            below which a row does not measure that regime) for each regime
-            of tf_diffmap; "low" 4 replicas, "high" 16.
-        convergence_rows: (model, optimizer) pairs: keys of
-            `workloads.CONVERGENCE_MODELS` and of its model's optimizers.
-        convergence_rules: `AsyncOptimizer` rules run under tf_diffmap
-            ("momentum" only where the optimizer is SGD with momentum; "drop"
-            with `drop_above` twice the staleness N replicas taking turns see).
-        convergence_seeds: each row runs once per seed (data order, weights).
-        convergence_epochs: epochs over digits' training set.
-        convergence_device_seconds: each replica's emulated device time per
-            training step (a sleep that uses no CPU, as waiting on a GPU).
-        convergence_inter_op_threads: TensorFlow's inter-op pool there,
-            large enough for every sleeping replica.
-        control_contenders: the control workload's contenders: plain Keras on
-            one device against tf_diffmap on `control_replicas` devices
-            (`tf_diffmap_own_devices`: with each replica's ops on its own
-            device, as GPU replicas are, rather than on the host's CPU:0),
-            and the floors on as many (`floor_control`: Keras' loop feeding
-            bare TensorFlow loops, `benchmarks.floor.QueueLoops`;
-            `floor_keras_control`: the same loops applying each shard with
-            Keras' own train step), placed as tf_diffmap places its
-            replicas by default.
-        control_replicas: tf_diffmap's (and the floor's) replicas there.
-        control_batch_size: the global batch size there (a shard of
-            `control_batch_size / control_replicas` examples per update).
-        control_learning_rate: SGD's learning rate there.
-        control_steps_per_epoch: Keras steps in one epoch there (a multiple
-            of every `steps_per_execution`).
-        control_steps_per_execution: the `compile(steps_per_execution=...)`
-            values, each a timed window of every session.
-        control_steps_per_loop: tf_diffmap's `Strategy(steps_per_loop=K)`
-            values, each a session of its own (32 is the default).
-        control_min_epochs: a control window lasts at least this many epochs...
-        control_min_seconds: ... and at least this many seconds.
-        cluster_contenders: the cluster workload's contenders: tf_diffmap on a
-            localhost cluster, tf_diffmap with the same replicas in one
-            process, tf-keras' ParameterServerStrategy on its own cluster, and
-            the floor: a bare TensorFlow parameter-server loop (no Keras, no
-            input pipeline, no tf_diffmap bookkeeping) on a cluster of the
-            same shape (`benchmarks.floor`).
-        cluster_workers: worker tasks (one replica each) of both clusters, and
-            logical CPU devices of the in-process reference.
-        cluster_ps: parameter-server tasks of both clusters.
-        cluster_model: a key of `workloads.MODELS` (digits-shaped random data).
-        cluster_batch_size: the global batch size there.
-        cluster_update_batch_row: also run tf_diffmap on the cluster and the
-            floor at a global batch of `cluster_batch_size` per worker, so that
-            each of their updates trains on as many examples as a
-            ParameterServerStrategy step (which trains a whole batch on one
-            worker; tf_diffmap and the floor split a step's batch over the
-            workers).
-        cluster_examples_per_epoch: examples of one epoch there.
-        cluster_min_epochs: a cluster window lasts at least this many epochs...
-        cluster_min_seconds: ... and at least this many seconds.
-        fault_workers: worker tasks (one replica each) of the fault timeline's
-            localhost cluster; it trains the cluster workload's model, batch
-            size and learning rate, on `fault_ps` ps tasks.
-        fault_ps: its parameter-server tasks.
-        fault_worker: the worker task killed and restarted.
-        fault_seconds: the wall time of its `fit`.
-        fault_kill_at: seconds into the `fit` when the worker is killed (SIGKILL).
-        fault_restart_at: seconds into the `fit` when it is started again at
-            its address (the rejoin follows once it serves).
-        fault_sample_seconds: how often the strategy's counters are read.
-        fault_bin_seconds: the width of a bin of the timeline.
-        fault_warmup_seconds: bins skipped at the start of the `fit` (its own
-            start-up), before the rate before the kill is measured.
-        fault_settle_seconds: bins skipped after the rejoin, before the rate
-            after it is measured.
-        fault_full_rate: the share of the rate before the kill that counts as
-            the full rate again (the time to the full rate, and the target).
-        embedding_contenders: the embedding workload's contenders (plain
-            Keras on one device, tf_diffmap on `embedding_replicas`).
-        embedding_replicas: tf_diffmap's replicas there.
-        embedding_rows: the table sizes, smallest first (the scaling figure
-            is the largest's examples/s over the smallest's).
-        embedding_optimizers: keys of `workloads.EMBEDDING_OPTIMIZERS`.
-        embedding_batch_size: the global batch size.
-        embedding_examples_per_epoch: training examples.
-        embedding_epochs: epochs of each run: the first is not timed; the
-            validation accuracy is read after each.
-        embedding_cluster_contenders: the same model on a localhost cluster
-            of `embedding_cluster_workers` workers and `embedding_cluster_ps`
-            ps tasks, the table split over the ps tasks (tf_diffmap's default
-            partitioner; ParameterServerStrategy with `MinSizePartitioner`).
-        embedding_cluster_rows: the table size there (None: not run).
-        embedding_cluster_optimizers: its optimizers (ParameterServerStrategy
-            trains SGD with tf-keras' legacy SGD, whose sparse update touches
-            rows; its current SGD keeps a momentum slot it updates densely).
-        embedding_cluster_epochs: epochs there (the first not timed).
+    Every session runs once per round (`repeats`) and the report takes
+    medians over the rounds. "There" means the workload of the field's prefix.
     """
 
-    name: str
-    repeats: int
-    contenders: tuple[str, ...] = (
+    name: str  # the preset's name
+    repeats: int  # rounds
+    contenders: tuple[str, ...] = (  # a subset of `CONTENDERS`
         "plain_keras",
         "mirrored",
         "tf_diffmap",
         "tf_diffmap_bounded",
         "central_storage",
     )
-    replicas: tuple[int, ...] = (1, 2, 4)
+    replicas: tuple[int, ...] = (1, 2, 4)  # device counts of throughput (1: the overhead)
+    # The contenders run on 1 device (None: all): there the synchronous
+    # strategies have nothing to synchronize, and plain Keras is their reference.
     one_device_contenders: tuple[str, ...] | None = ("plain_keras", "tf_diffmap")
-    models: tuple[str, ...] = ("mlp", "cnn")
+    models: tuple[str, ...] = ("mlp", "cnn")  # models of the throughput workload
+    # Device counts where the MLP also gets NumPy arrays in `fit` (a new input
+    # iterator every epoch, which a multi-device strategy pays for).
     numpy_input_replicas: tuple[int, ...] = (1, 4)
     straggler_replicas: tuple[int, ...] = (2, 4)
-    slowdowns: tuple[int, ...] = (1, 2, 4)
+    slowdowns: tuple[int, ...] = (1, 2, 4)  # replica 0 k times slower; 1 is the reference
     straggler_model: str = "mlp"
-    accuracy_replicas: int = 4
-    accuracy_slowdown: int = 4
-    accuracy_epochs: int = 16
-    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")
-    accuracy_references: bool = True
-    accuracy_contenders: tuple[str, ...] | None = None
-    accuracy_targets: tuple[float, ...] = (0.95, 0.97)
-    batch_size: int = 128
-    learning_rate: float = 1e-3
+    accuracy_replicas: int = 4  # time to accuracy on digits: its device count,
+    accuracy_slowdown: int = 4  # the straggler's slowdown,
+    accuracy_epochs: int = 16  # the budget of epochs,
+    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")  # tf_diffmap's rules,
+    accuracy_references: bool = True  # MirroredStrategy and tf_diffmap without the straggler too,
+    accuracy_contenders: tuple[str, ...] | None = None  # its contenders (None: all),
+    accuracy_targets: tuple[float, ...] = (0.95, 0.97)  # and the accuracies timed
+    batch_size: int = 128  # global batch of every contender
+    learning_rate: float = 1e-3  # Adam's, for every contender
     examples_per_epoch: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"mlp": 2048, "cnn": 2048}
     )
-    min_epochs: int = 3
-    min_seconds: float = 2.0
-    max_staleness: int = 4
-    drop_above: int = 8
+    min_epochs: int = 3  # a timed window lasts at least this many epochs
+    min_seconds: float = 2.0  # and this many seconds
+    max_staleness: int = 4  # the bound of tf_diffmap_bounded
+    drop_above: int = 8  # the bound of the "drop" rule
+    # The straggler's unit of delay: None measures it (a MirroredStrategy step
+    # per device count, before the rounds); a number skips that calibration.
     step_seconds: float | None = None
+    # The cost of `StalenessTensorBoard(update_freq="batch")` (tf_diffmap): its
+    # device count (None: not run), batch, epochs per `fit` and rounds.
     points_replicas: int | None = 4
     points_batch_size: int = 64
     points_epochs: int = 3
     points_rounds: int = 3
-    seed: int = 0
-    # Every workload but the convergence table, which runs alone (`--only`).
+    seed: int = 0  # seeds data, weights and shuffling
+    # Which of `WORKLOADS` run: all but convergence (about 300 models), which
+    # runs alone (`--only convergence`).
     workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w != "convergence")
-    convergence_devices: int = 4
+    convergence_devices: int = 4  # MirroredStrategy, the reference, uses them all
+    # (name, replicas per device, the mean staleness below which a row does
+    # not measure the regime) per regime of tf_diffmap.
     convergence_regimes: tuple[tuple[str, int, float], ...] = (("low", 1, 1.0), ("high", 4, 5.0))
+    # (model, optimizer): keys of `workloads.CONVERGENCE_MODELS` and its optimizers.
     convergence_rows: tuple[tuple[str, str], ...] = tuple(
         (model, optimizer)
         for model in ("mlp_digits", "cnn_digits")
         for optimizer in ("sgd", "sgd_momentum", "adam", "adamw")
     )
+    # `AsyncOptimizer` rules ("momentum" for SGD with momentum only; "drop"
+    # above twice the staleness of N replicas taking turns).
     convergence_rules: tuple[str, ...] = (
         "auto",
         "none",
@@ -253,39 +124,41 @@ class Plan:
         "momentum",
         "gap",
     )
-    convergence_seeds: tuple[int, ...] = (0, 1, 2)
+    convergence_seeds: tuple[int, ...] = (0, 1, 2)  # a run per seed (data order, weights)
     convergence_epochs: int = 15
-    convergence_device_seconds: float = 0.003
-    convergence_inter_op_threads: int = 64
-    control_contenders: tuple[str, ...] = (
-        "plain_keras",
-        "tf_diffmap",
-        "tf_diffmap_own_devices",
-        "floor_control",
-        "floor_keras_control",
-    )
+    convergence_device_seconds: float = 0.003  # each replica's sleep per step (no CPU)
+    convergence_inter_op_threads: int = 64  # enough for every sleeping replica
+    # Plain Keras on one device; tf_diffmap on `control_replicas` devices, and
+    # with each replica's ops on its own device (as GPU replicas are).
+    control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap", "tf_diffmap_own_devices")
     control_replicas: int = 4
-    control_batch_size: int = 16
-    control_learning_rate: float = 0.01
-    control_steps_per_epoch: int = 512
-    control_steps_per_execution: tuple[int, ...] = (16, 1)
-    control_steps_per_loop: tuple[int, ...] = (32, 1)
+    control_batch_size: int = 16  # a shard of batch / replicas examples per update
+    control_learning_rate: float = 0.01  # SGD's
+    control_steps_per_epoch: int = 512  # a multiple of every steps_per_execution
+    control_steps_per_execution: tuple[int, ...] = (16, 1)  # a timed window each
+    control_steps_per_loop: tuple[int, ...] = (32, 1)  # tf_diffmap's K: a session each
     control_min_epochs: int = 3
     control_min_seconds: float = 2.0
-    cluster_contenders: tuple[str, ...] = (
-        "tf_diffmap_cluster",
-        "tf_diffmap",
-        "parameter_server",
-        "floor_cluster",
-    )
-    cluster_workers: int = 2
+    # tf_diffmap on a localhost cluster and with the same replicas in one
+    # process; tf-keras' ParameterServerStrategy on a cluster of its own.
+    cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "tf_diffmap", "parameter_server")
+    cluster_workers: int = 2  # one replica each; the in-process reference's devices
     cluster_ps: int = 1
-    cluster_model: str = "mlp_wide"
+    cluster_model: str = "mlp_wide"  # a key of `workloads.MODELS`
     cluster_batch_size: int = 128
+    # Also tf_diffmap on the cluster at `cluster_batch_size` per worker: each
+    # update then trains as many examples as a ParameterServerStrategy step.
     cluster_update_batch_row: bool = True
     cluster_examples_per_epoch: int = 4096
     cluster_min_epochs: int = 3
     cluster_min_seconds: float = 3.0
+    # The fault timeline: the cluster workload's model on `fault_workers`
+    # workers and `fault_ps` ps tasks; worker `fault_worker` is killed
+    # (SIGKILL) at `fault_kill_at` s into a `fit` of `fault_seconds` and
+    # started again at its address at `fault_restart_at`. The counters are read
+    # every `fault_sample_seconds` into bins of `fault_bin_seconds`; the rates
+    # skip `fault_warmup_seconds` at the start and `fault_settle_seconds` after
+    # the rejoin; `fault_full_rate` of the rate before counts as the full rate.
     fault_workers: int = 3
     fault_ps: int = 1
     fault_worker: int = 2
@@ -297,6 +170,9 @@ class Plan:
     fault_warmup_seconds: float = 3.0
     fault_settle_seconds: float = 2.0
     fault_full_rate: float = 0.95
+    # The bag of ids: plain Keras on one device, tf_diffmap on
+    # `embedding_replicas`, at each table size (smallest first) and optimizer
+    # (keys of `workloads.EMBEDDING_OPTIMIZERS`); the first epoch not timed.
     embedding_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap")
     embedding_replicas: int = 4
     embedding_rows: tuple[int, ...] = (40_000, 400_000)
@@ -304,6 +180,9 @@ class Plan:
     embedding_batch_size: int = 256
     embedding_examples_per_epoch: int = 16384
     embedding_epochs: int = 10
+    # The same on a localhost cluster, the table split over the ps tasks
+    # (`embedding_cluster_rows` None: not run). ParameterServerStrategy trains
+    # SGD with tf-keras' legacy SGD, whose sparse update touches rows only.
     embedding_cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "parameter_server")
     embedding_cluster_workers: int = 2
     embedding_cluster_ps: int = 2
@@ -399,17 +278,12 @@ PRESETS = {
 
 
 def with_cluster_model(plan: Plan, model: str) -> Plan:
-    """`plan` with the cluster workloads on `model` (a key of `workloads.MODELS`);
-    without the floor where it has no such model (it knows the plain MLPs)."""
-    from benchmarks.floor import HIDDEN_UNITS
+    """`plan` with the cluster workloads on `model` (a key of `workloads.MODELS`)."""
     from benchmarks.workloads import MODELS
 
     if model not in MODELS:
         raise ValueError(f"Unknown model {model!r}; expected one of {sorted(MODELS)}.")
-    contenders = tuple(
-        c for c in plan.cluster_contenders if c != "floor_cluster" or model in HIDDEN_UNITS
-    )
-    return dataclasses.replace(plan, cluster_model=model, cluster_contenders=contenders)
+    return dataclasses.replace(plan, cluster_model=model)
 
 
 def steps_per_epoch(plan: Plan, model: str) -> int:
@@ -610,12 +484,8 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
     ]
     out = []
     for contender in plan.control_contenders:
-        if contender in ("plain_keras", *CONTROL_FLOORS):
-            # Plain Keras on one device; the floors on tf_diffmap's devices.
-            replicas = 1 if contender == "plain_keras" else plan.control_replicas
-            out.append(
-                {"contender": contender, "replicas": replicas, "seed": plan.seed, "tasks": tasks}
-            )
+        if contender == "plain_keras":
+            out.append({"contender": contender, "replicas": 1, "seed": plan.seed, "tasks": tasks})
         elif contender in ("tf_diffmap", "tf_diffmap_own_devices"):
             # Each replica on its own device: at the first K only, beside
             # the default placement's row.
@@ -634,9 +504,9 @@ def _control_sessions(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _cluster_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """The same workload on a localhost cluster, in one process, under PSS and
-    as the bare loop (the floor); and tf_diffmap and the floor on the cluster
-    with PSS' examples per update, each right after its own row."""
+    """The same workload on a localhost cluster, in one process and under PSS;
+    and tf_diffmap on the cluster with PSS' examples per update, right after
+    its own row."""
     task = {
         "kind": "cluster",
         "model": plan.cluster_model,

@@ -1,203 +1,79 @@
-"""From raw session results to medians, the issue's targets and `results.md`.
+"""From the sessions' results to medians, targets and tables.
 
-Every figure in the report is a median over the repeats of a run (with the
-smallest and largest value beside it); ratios are ratios of medians. Targets
-are reported, never asserted: each row says what was measured, the target,
-and whether it was met.
+`build` makes the results document (`results.json`): per workload, rows of
+medians over the rounds (a *spread* is a figure's median, min, max and
+values), and `targets`, one record per target: its figure, threshold and
+whether it was met, or why it was not measured. `tables` lays the rows out
+as tables (a title, named columns, rows keyed by column, short notes) and
+`render` writes any table as Markdown. What each workload measures and how
+to read its table is in `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
-from benchmarks import embeddings, workloads
+from benchmarks import workloads
 from benchmarks.contenders import CONTENDERS, label
-from benchmarks.plan import CONTROL_FLOORS
-from benchmarks.workloads import MODELS
 
-__all__ = ["build", "markdown", "TARGETS"]
+__all__ = ["TARGETS", "build", "tables", "render", "markdown", "cell", "met"]
 
-SCHEMA = 1
+SCHEMA = 2
 
-# (key, description, comparison, threshold)
-TARGETS = (
-    ("overhead", "Overhead, 1 replica: tf_diffmap / plain Keras throughput", ">=", 1.0),
-    (
-        "even_vs_mirrored",
-        "Even replicas, 4 replicas: tf_diffmap / MirroredStrategy throughput",
-        ">=",
-        3.0,
-    ),
-    (
-        "even_vs_central",
-        "Even replicas, 4 replicas: tf_diffmap / CentralStorageStrategy (tf-keras) throughput",
-        ">=",
-        1.0,
-    ),
-    (
-        "straggler_vs_mirrored",
-        "Straggler (4 replicas, one 4x slower): tf_diffmap / MirroredStrategy throughput",
-        ">=",
-        5.0,
-    ),
-    (
-        "straggler_retention",
-        "Straggler (4 replicas, one 4x slower): tf_diffmap / its own no-straggler throughput",
-        ">=",
-        0.85,
-    ),
-    (
-        "tta_vs_mirrored",
-        "Time to 97% on digits with a straggler: tf_diffmap / MirroredStrategy",
-        "<=",
-        0.5,
-    ),
-    (
-        "final_accuracy_gap",
-        "Final accuracy on digits with a straggler: tf_diffmap minus MirroredStrategy, in points",
-        ">=",
-        -0.5,
-    ),
-    (
-        "control_spe16",
-        "Control path, steps_per_execution=16: tf_diffmap updates/s / plain Keras steps/s",
-        ">=",
-        1.0,
-    ),
-    (
-        "control_spe1",
-        "Control path, steps_per_execution=1: tf_diffmap updates/s / plain Keras steps/s",
-        ">=",
-        2.5,
-    ),
-    (
-        "cluster_vs_in_process",
-        "Cluster: tf_diffmap on the localhost cluster / the same replicas in one process",
-        ">=",
-        0.6,
-    ),
-    (
-        "cluster_vs_parameter_server",
-        "Cluster: tf_diffmap / ParameterServerStrategy (tf-keras) on the same cluster shape",
-        ">=",
-        3.0,
-    ),
-    (
-        "cluster_vs_parameter_server_per_update",
-        "Cluster: tf_diffmap, each update on as many examples as a ParameterServerStrategy "
-        "step (global batch x workers) / ParameterServerStrategy",
-        ">=",
-        3.0,
-    ),
-    # The threshold of fault_outage is the surviving workers' share, (W - 1) / W:
-    # 2/3 with the presets' 3 workers (`_fault_targets` sets it from the plan).
-    (
-        "fault_outage",
-        "Fault timeline: examples/s while a worker is down / before it was killed",
-        ">=",
-        2 / 3,
-    ),
-    (
-        "fault_after",
-        "Fault timeline: examples/s after the restarted worker rejoined / before it was killed",
-        ">=",
-        0.95,
-    ),
+
+def _targets(text: str) -> dict[str, tuple[str, str, float, str]]:
+    rows = (line.split(" | ") for line in text.strip().splitlines())
+    return {key: (about, op, float(value), unit.strip('"')) for key, op, value, unit, about in rows}
+
+
+# key | comparison | threshold | unit | description. `fault_outage`'s
+# threshold is set from the plan: the surviving workers' share, (W - 1) / W.
+TARGETS = _targets(
+    """
+overhead | >= | 1 | "x" | Overhead, 1 replica: tf_diffmap / plain Keras throughput
+even_vs_mirrored | >= | 3 | "x" | Even replicas, 4 replicas: tf_diffmap / MirroredStrategy throughput
+even_vs_central | >= | 1 | "x" | Even replicas, 4 replicas: tf_diffmap / CentralStorageStrategy (tf-keras) throughput
+straggler_vs_mirrored | >= | 5 | "x" | Straggler (4 replicas, one 4x slower): tf_diffmap / MirroredStrategy throughput
+straggler_retention | >= | 0.85 | "x" | Straggler (4 replicas, one 4x slower): tf_diffmap / its own no-straggler throughput
+tta_vs_mirrored | <= | 0.5 | "x" | Time to 97% on digits with a straggler: tf_diffmap / MirroredStrategy
+final_accuracy_gap | >= | -0.5 | " points" | Final accuracy on digits with a straggler: tf_diffmap minus MirroredStrategy, in points
+control_spe16 | >= | 1 | "x" | Control path, steps_per_execution=16: tf_diffmap updates/s / plain Keras steps/s
+control_spe1 | >= | 2.5 | "x" | Control path, steps_per_execution=1: tf_diffmap updates/s / plain Keras steps/s
+cluster_vs_in_process | >= | 0.6 | "x" | Cluster: tf_diffmap on the localhost cluster / the same replicas in one process
+cluster_vs_parameter_server | >= | 3 | "x" | Cluster: tf_diffmap / ParameterServerStrategy (tf-keras) on the same cluster shape
+cluster_vs_parameter_server_per_update | >= | 3 | "x" | Cluster: tf_diffmap, each update on as many examples as a ParameterServerStrategy step (global batch x workers) / ParameterServerStrategy
+fault_outage | >= | 0.667 | "x" | Fault timeline: examples/s while a worker is down / before it was killed
+fault_after | >= | 0.95 | "x" | Fault timeline: examples/s after the restarted worker rejoined / before it was killed
+embedding_scaling | >= | 0.8 | "x" | Embeddings, SGD: tf_diffmap's examples/s at the largest table / at the smallest
+embedding_vs_keras | >= | 1 | "x" | Embeddings, SGD, largest table: tf_diffmap / plain Keras examples/s
+embedding_cluster | >= | 1 | "x" | Embeddings on a localhost cluster, the table split over the ps tasks: tf_diffmap / ParameterServerStrategy (tf-keras) examples/s, the worst over optimizers
+embedding_accuracy | >= | -1 | " pt" | Embeddings: best validation accuracy over the epochs, tf_diffmap minus plain Keras, the worst over optimizers and table sizes (points)
+"""  # noqa: E501
 )
 
-# The targets each workload's own section shows (the rest are the timed ones).
-CONTROL_TARGETS = ("control_spe16", "control_spe1")
-CLUSTER_TARGETS = (
-    "cluster_vs_in_process",
-    "cluster_vs_parameter_server",
-    "cluster_vs_parameter_server_per_update",
-)
-FAULT_TARGETS = ("fault_outage", "fault_after")
-
-# The cluster workload's ratios with the floor (`benchmarks.floor`): references,
-# not targets. (key, description, numerator, denominator, the target it caps and
-# a short name for it, or None):
-# each side a contender and its global batch, "batch" or "batch x workers" (the
-# examples of a ParameterServerStrategy step in each update). A ratio of the
-# floor to a contender is the most that contender's target could read here if
-# tf_diffmap cost no more than the bare loop.
-CLUSTER_FLOOR = (
-    (
-        "floor_vs_in_process",
-        "Floor / tf_diffmap in one process, same global batch",
-        ("floor_cluster", "batch"),
-        ("tf_diffmap", "batch"),
-        ("cluster_vs_in_process", "cluster / one process"),
-    ),
-    (
-        "cluster_vs_floor",
-        "tf_diffmap on the cluster / the floor, same global batch",
-        ("tf_diffmap_cluster", "batch"),
-        ("floor_cluster", "batch"),
-        None,
-    ),
-    (
-        "cluster_vs_floor_per_update",
-        "tf_diffmap on the cluster / the floor, both at global batch x workers",
-        ("tf_diffmap_cluster", "batch x workers"),
-        ("floor_cluster", "batch x workers"),
-        None,
-    ),
-    (
-        "floor_vs_parameter_server",
-        "Floor / ParameterServerStrategy (tf-keras), same global batch",
-        ("floor_cluster", "batch"),
-        ("parameter_server", "batch"),
-        ("cluster_vs_parameter_server", "cluster / PSS"),
-    ),
-    (
-        "floor_vs_parameter_server_per_update",
-        "Floor at global batch x workers / ParameterServerStrategy (tf-keras): the same "
-        "examples per update",
-        ("floor_cluster", "batch x workers"),
-        ("parameter_server", "batch"),
-        ("cluster_vs_parameter_server_per_update", "cluster / PSS, same examples per update"),
-    ),
-)
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
-
-# The control workload's ratios with its floors (`benchmarks.floor.QueueLoops`):
-# references, not targets. (key, description, numerator, denominator, the
-# target it caps and a short name for it, or None), each side a contender and
-# its rate: a floor's updates/s over plain Keras' steps/s is the most the
-# target beside it could read here if tf_diffmap cost no more than that floor.
-# The floor has a hand-written update; the Keras-step floor runs Keras' own
-# train step in each update, as tf_diffmap does, with none of its bookkeeping.
-CONTROL_FLOOR = tuple(
-    row
-    for spe, target in ((16, "control_spe16"), (1, "control_spe1"))
-    for floor, key, title, name in (
-        ("floor_control", "floor", "Floor", "the floor"),
-        ("floor_keras_control", "keras_floor", "Keras-step floor", "the Keras-step floor"),
-    )
-    for row in (
-        (
-            f"control_{key}_vs_keras_spe{spe}",
-            f"{title} updates/s / plain Keras steps/s, steps_per_execution={spe}",
-            (floor, spe, "updates_per_second"),
-            ("plain_keras", spe, "steps_per_second"),
-            (target, f"control, steps_per_execution={spe}"),
-        ),
-        (
-            f"control_vs_{key}_spe{spe}",
-            f"tf_diffmap / {name} (updates/s), steps_per_execution={spe}",
-            ("tf_diffmap", spe, "updates_per_second"),
-            (floor, spe, "updates_per_second"),
-            None,
-        ),
-    )
+# A convergence run below this accuracy collapsed (chance is 0.1 on digits).
+COLLAPSED = 0.5
+# The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
+FAULT_WINDOWS = ("before", "outage", "restarting", "after")
+FAULT_DELAYS = (
+    ("seconds_kill_to_lost", "kill → replica marked lost, s"),
+    ("seconds_restart_to_serving", "restart → new server serves, s"),
+    ("seconds_serving_to_rejoin", "serves → replica rejoined, s"),
+    ("seconds_restart_to_rejoin", "restart → rejoined, s"),
+    ("seconds_rejoin_to_first_update", "rejoined → its first update, s"),
+    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate, s"),
 )
+NO_TF_KERAS = "tf-keras not available (see the run table)"
+
+
+# -- Rows: medians over the rounds ----------------------------------------------
 
 
 def _median(values) -> float | None:
@@ -209,542 +85,198 @@ def _spread(values) -> dict[str, Any]:
     values = [v for v in values if v is not None]
     return {
         "median": _median(values),
-        "min": min(values) if values else None,
-        "max": max(values) if values else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
         "values": values,
     }
 
 
-def _tasks(runs, kind: str) -> Iterator[tuple[dict, dict, dict]]:
-    """(session result, task, task result) of every successful task of a kind."""
+def _order(contender: str) -> int:
+    return list(CONTENDERS).index(contender)
+
+
+def _records(runs, kind: str):
+    """Every successful task of `kind` as one flat record: the session's
+    config and result, the task's result and the task, with the staleness
+    figures and replica 0's share of the updates read out. A straggler task
+    gives a record per window (per slowdown)."""
     for run in runs:
         session = run["result"]
         for entry in session.get("tasks", []):
-            if entry["task"]["kind"] == kind and entry["result"].get("status") == "ok":
-                yield session, entry["task"], entry["result"]
+            task, result = entry["task"], entry["result"]
+            if task["kind"] != kind or result.get("status") != "ok":
+                continue
+            parts = result["windows"].items() if kind == "straggler" else [(None, result)]
+            for slowdown, part in parts:
+                stale, steps = part.get("staleness") or {}, part.get("replica_steps")
+                yield {
+                    "input": "dataset",
+                    **run["config"],
+                    **session,
+                    **part,
+                    **task,
+                    "slowdown": None if slowdown is None else int(slowdown),
+                    "mean_staleness": stale.get("overall_mean_staleness"),
+                    "max_staleness": stale.get("overall_max_staleness"),
+                    "updates": sum(stale.get("updates", [])),
+                    "dropped": sum(stale.get("dropped", [])),
+                    "replica0_share": steps[0] / sum(steps) if steps and sum(steps) else None,
+                }
+
+
+def _rows(records, by, spreads=(), medians=(), firsts=(), extra=None, max_staleness=None):
+    """One row per value of the fields `by`: a spread of each of `spreads`,
+    the median of each of `medians`, the first record's `firsts`, the
+    largest `max_staleness`, and what `extra(records)` adds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[tuple(record.get(k) for k in by)].append(record)
+    rows = []
+    for key, group in groups.items():
+        row = dict(zip(by, key))
+        if "contender" in row:
+            row["label"] = label(row["contender"], max_staleness)
+        row.update({f: _spread(r.get(f) for r in group) for f in spreads})
+        row.update({f: _median(r.get(f) for r in group) for f in medians})
+        row.update({f: group[0].get(f) for f in firsts})
+        row["max_staleness"] = max(
+            (r["max_staleness"] for r in group if r["max_staleness"] is not None), default=None
+        )
+        row.update(extra(group) if extra else {})
+        row["runs"] = len(group)
+        rows.append(row)
+
+    def order(row):
+        return [(row[k] is None, _order(row[k]) if k == "contender" else row[k]) for k in by]
+
+    return sorted(rows, key=order)
+
+
+def _find(rows, /, **match):
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def _rate(rows, field="examples_per_second", /, **match):
+    """The median of `field` in the row that matches (None: no such row)."""
+    row = _find(rows, **match)
+    value = row and row[field]
+    return value["median"] if isinstance(value, dict) else value
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _reached(values) -> float | None:
+    """The median where a run that never reached the target counts as infinitely slow."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+    return None if not middle or None in middle else sum(middle) / len(middle)
+
+
+def _accuracy_extra(group) -> dict[str, Any]:
+    targets = [str(t) for t in group[0]["targets"]]
+    updates, dropped = sum(r["updates"] for r in group), sum(r["dropped"] for r in group)
+    return {
+        "seconds_to": {t: _reached([r["seconds_to"].get(t) for r in group]) for t in targets},
+        "epochs_to": {t: _reached([r["epochs_to"].get(t) for r in group]) for t in targets},
+        "reached": {t: sum(r["seconds_to"].get(t) is not None for r in group) for t in targets},
+        "dropped_fraction": dropped / (updates + dropped)
+        if group[0].get("staleness") and updates + dropped
+        else None,
+        "histories": [r["history"] for r in group],
+    }
 
 
 def _errors(runs) -> list[dict[str, Any]]:
     out = []
     for run in runs:
-        session = run["result"]
-        where = {
-            "round": run["round"] + 1,
-            "contender": run["config"]["contender"],
-            "replicas": run["config"]["replicas"],
-        }
+        session, config = run["result"], run["config"]
+        where = {"round": run["round"] + 1, "contender": config["contender"]}
+        where["replicas"] = config["replicas"]
         if session.get("status") != "ok":
-            out.append(
-                {
-                    **where,
-                    "task": None,
-                    "error": session.get("error"),
-                    "detail": session.get("stderr_tail") or session.get("traceback"),
-                }
-            )
+            detail = session.get("stderr_tail") or session.get("traceback")
+            out.append({**where, "task": None, "error": session.get("error"), "detail": detail})
             continue
         for entry in session.get("tasks", []):
-            if entry["result"].get("status") != "ok":
+            result = entry["result"]
+            if result.get("status") != "ok":
                 out.append(
                     {
                         **where,
                         "task": entry["task"]["kind"],
-                        "error": entry["result"].get("error"),
-                        "detail": entry["result"].get("traceback"),
+                        "error": result.get("error"),
+                        "detail": result.get("traceback"),
                     }
                 )
     return out
 
 
-def _share0(result) -> float | None:
-    steps = result.get("replica_steps")
-    if not steps or not sum(steps):
-        return None
-    return steps[0] / sum(steps)
-
-
-def _throughput(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "throughput"):
-        key = (
-            task["model"],
-            task.get("input", "dataset"),
-            session["replicas"],
-            session["contender"],
-        )
-        groups[key].append(result)
-    rows = []
-    for (model, input_, replicas, contender), results in sorted(groups.items()):
-        rows.append(
-            {
-                "model": model,
-                "input": input_,
-                "replicas": replicas,
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "examples_per_second": _spread(r["examples_per_second"] for r in results),
-                "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
-                "warmup_seconds": _median(r["warmup_seconds"] for r in results),
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
-                "runs": len(results),
-            }
-        )
-    return rows
-
-
-def _straggler(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, _, result in _tasks(runs, "straggler"):
-        for slowdown, window in result["windows"].items():
-            groups[(session["replicas"], session["contender"], int(slowdown))].append(window)
-    rows = []
-    for (replicas, contender, slowdown), windows in sorted(groups.items()):
-        base = groups.get((replicas, contender, 1))
-        eps = _spread(w["examples_per_second"] for w in windows)
-        base_eps = _median(w["examples_per_second"] for w in base) if base else None
-        rows.append(
-            {
-                "replicas": replicas,
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "slowdown": slowdown,
-                "delay_seconds": _median(w["delay_seconds"] for w in windows),
-                "examples_per_second": eps,
-                "epoch_seconds": _spread(w["median_epoch_seconds"] for w in windows),
-                "retention": eps["median"] / base_eps if base_eps and eps["median"] else None,
-                "replica0_share": _median(_share0(w) for w in windows),
-                "mean_staleness": _median(
-                    (w.get("staleness") or {}).get("overall_mean_staleness") for w in windows
-                ),
-                "runs": len(windows),
-            }
-        )
-    return rows
-
-
-def _reached_median(values: list[float | None]) -> float | None:
-    """Median where a run that never reached the target counts as infinitely slow."""
-    if not values:
-        return None
-    ordered = sorted(values, key=lambda v: float("inf") if v is None else v)
-    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
-    if any(v is None for v in middle):
-        return None
-    return sum(middle) / len(middle)
-
-
-def _accuracy(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "accuracy"):
-        key = (
-            session["contender"],
-            session["replicas"],
-            task.get("rule"),
-            bool(task.get("straggler")),
-        )
-        groups[key].append({**result, "_task": task})
-    rows = []
-    for (contender, replicas, rule, straggler), results in groups.items():
-        targets = [str(t) for t in results[0]["_task"]["targets"]]
-        stale = [r.get("staleness") or {} for r in results]
-        updates = [sum(s.get("updates", [])) for s in stale]
-        dropped = [sum(s.get("dropped", [])) for s in stale]
-        rows.append(
-            {
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "replicas": replicas,
-                "rule": rule,
-                "drop_above": results[0]["_task"].get("drop_above"),
-                "straggler": straggler,
-                "delay_seconds": results[0]["_task"].get("delay"),
-                "epochs": results[0]["_task"]["epochs"],
-                "seconds_to": {
-                    t: _reached_median([r["seconds_to"].get(t) for r in results]) for t in targets
-                },
-                "epochs_to": {
-                    t: _reached_median([r["epochs_to"].get(t) for r in results]) for t in targets
-                },
-                "reached": {
-                    t: sum(r["seconds_to"].get(t) is not None for r in results) for t in targets
-                },
-                "final_accuracy": _spread(r["final_accuracy"] for r in results),
-                "best_accuracy": _median(r["best_accuracy"] for r in results),
-                "train_seconds": _median(r["train_seconds"] for r in results),
-                "mean_staleness": _median(s.get("overall_mean_staleness") for s in stale),
-                "max_staleness": max(
-                    (s.get("overall_max_staleness") for s in stale if s), default=None
-                ),
-                "dropped_fraction": (sum(dropped) / (sum(updates) + sum(dropped)))
-                if stale[0] and (sum(updates) + sum(dropped))
-                else None,
-                "replica0_share": _median(_share0(r) for r in results),
-                "histories": [r["history"] for r in results],
-                "runs": len(results),
-            }
-        )
-    order = {name: i for i, name in enumerate(CONTENDERS)}
-    rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}
-    rows.sort(key=lambda r: (not r["straggler"], order[r["contender"]], rules.get(r["rule"], 9)))
-    return rows
-
-
-def _convergence(runs) -> list[dict[str, Any]]:
-    """Per regime, model, optimizer and rule: final accuracy and staleness over the seeds."""
-    groups: dict[tuple, list[dict]] = {}
+def _memory(runs, max_staleness) -> list[dict[str, Any]]:
+    """Peak RSS per contender and device count: after the MLP throughput task
+    (the session's first), and at the session's end."""
+    records = []
     for run in runs:
-        regime = run["config"].get("regime")
-        for entry in run["result"].get("tasks", []):
-            task, result = entry["task"], entry["result"]
-            if task["kind"] != "convergence" or result.get("status") != "ok":
-                continue
-            key = (regime, task["model"], task["optimizer"], task.get("rule"))
-            groups.setdefault(key, []).append(result)
-    rows = []
-    for (regime, model, optimizer, rule), results in groups.items():
-        stats = [r.get("staleness") or {} for r in results]
-        rows.append(
+        session = run["result"]
+        kinds = {t["kind"] for t in run["config"]["tasks"]}
+        if session.get("status") != "ok" or kinds <= {"control", "cluster", "fault_timeline"}:
+            continue  # their own sessions, not the timed contenders' memory
+        first = (session.get("tasks") or [None])[0]
+        mlp = first and first["task"]["kind"] == "throughput" and first["task"]["model"] == "mlp"
+        mlp = mlp and first["task"].get("input", "dataset") == "dataset"
+        records.append(
             {
-                "regime": regime,
-                "model": model,
-                "optimizer": optimizer,
-                "rule": rule,
-                "final_accuracy": _spread([r["final_accuracy"] for r in results]),
-                "mean_staleness": _spread([s.get("overall_mean_staleness") for s in stats]),
-                "max_staleness": max(
-                    (s["overall_max_staleness"] for s in stats if "overall_max_staleness" in s),
-                    default=None,
-                ),
-                "momentum_warning": any(r.get("momentum_warning") for r in results),
+                "contender": session["contender"],
+                "replicas": session["replicas"],
+                "peak_rss_mb_mlp": first["result"].get("peak_rss_mb") if mlp else None,
+                "peak_rss_mb_session": session.get("peak_rss_mb"),
+                "max_staleness": None,
             }
         )
-    return rows
-
-
-def _points(runs) -> list[dict[str, Any]]:
-    """The cost of batch-level staleness points, per device count."""
-    groups: dict[int, list[dict]] = defaultdict(list)
-    for _, _, result in _tasks(runs, "points"):
-        groups[result["replicas"]].append(result)
-    out = []
-    for replicas, results in sorted(groups.items()):
-        first = results[0]
-        out.append(
-            {
-                "replicas": replicas,
-                "batches_per_fit": first["batches_per_fit"],
-                "points_per_run": [r["points"] for r in results],
-                "ms_per_batch": _spread(r["ms_per_batch"] for r in results),
-                "point_cpu_ms": _spread(r["point_cpu_ms_median"] for r in results),
-                "point_cpu_ms_p90": _spread(r["point_cpu_ms_p90"] for r in results),
-                "snapshots_overhead": _spread(r["snapshots_overhead"] for r in results),
-                "every_point_overhead": _spread(r["every_point_overhead"] for r in results),
-                "budget_overhead": _spread(r["budget_overhead"] for r in results),
-                "budget_points": _spread(p for r in results for p in r["budget_points"]),
-            }
-        )
-    return out
-
-
-def points_summary(results: dict[str, Any]) -> list[str]:
-    """One line per device count: what a staleness point costs (printed by the suite)."""
-    lines = []
-    for row in results.get("points", []):
-        lines.append(
-            f"staleness points, {row['replicas']} replicas: "
-            f"{_num(row['point_cpu_ms']['median'], 3)} ms of CPU per point (median; p90 "
-            f"{_num(row['point_cpu_ms_p90']['median'], 3)} ms) against "
-            f"{_num(row['ms_per_batch']['median'], 1)} ms per batch; with the default "
-            f"budget, {_num(row['budget_points']['median'], 0)} points for "
-            f"{row['batches_per_fit']} batches"
-        )
-    return lines
-
-
-def _control(runs) -> list[dict[str, Any]]:
-    """Per contender, K and steps_per_execution: Keras steps/s and updates/s."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "control"):
-        key = (session["contender"], result.get("steps_per_loop"), task["steps_per_execution"])
-        groups[key].append(result)
-    order = {name: i for i, name in enumerate(CONTENDERS)}
-    rows = []
-    for (contender, k, spe), results in sorted(
-        groups.items(), key=lambda item: (order[item[0][0]], -(item[0][1] or 0), -item[0][2])
-    ):
-        rows.append(
-            {
-                "contender": contender,
-                "label": label(contender),
-                "steps_per_loop": k,
-                "steps_per_execution": spe,
-                "updates_per_step": results[0].get("updates_per_step"),
-                "steps_per_second": _spread(r["steps_per_second"] for r in results),
-                "updates_per_second": _spread(r["updates_per_second"] for r in results),
-                "cpu_us_per_update": _spread(r.get("cpu_us_per_update") for r in results),
-                "updates_counted": [r.get("updates_counted") for r in results],
-                "updates_expected": [r.get("updates_expected") for r in results],
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
-                "runs": len(results),
-            }
-        )
-    return rows
-
-
-def _cluster(runs) -> list[dict[str, Any]]:
-    """Per contender: examples/s of the cluster workload and a replica's time per update."""
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for session, task, result in _tasks(runs, "cluster"):
-        groups[session["contender"], task["batch_size"]].append(
-            {**result, "_devices": session.get("devices")}
-        )
-    order = {name: i for i, name in enumerate(CONTENDERS)}
-    rows = []
-    for (contender, batch_size), results in sorted(
-        groups.items(), key=lambda item: (order[item[0][0]], item[0][1])
-    ):
-        name = "tf_diffmap, one process" if contender == "tf_diffmap" else label(contender)
-        rows.append(
-            {
-                "contender": contender,
-                "batch_size": batch_size,
-                "label": f"{name}, batch {batch_size}",
-                "devices": results[0]["_devices"],
-                "examples_per_second": _spread(r["examples_per_second"] for r in results),
-                "median_epoch_seconds": _median(r["median_epoch_seconds"] for r in results),
-                "replica_ms_per_update": _spread(
-                    r["median_replica_ms_per_update"] for r in results
-                ),
-                "replica_time_source": results[0]["replica_time_source"],
-                "cpu_ms_per_update": _spread(r.get("cpu_ms_per_update") for r in results),
-                "cpu_ms_per_1000_examples": _spread(
-                    r.get("cpu_ms_per_1000_examples") for r in results
-                ),
-                "cpu_processes": results[0].get("cpu_processes"),
-                "replica_steps": [r.get("replica_steps") for r in results],
-                # The floor's: the ps' Adam step counter against its workers' loops.
-                "updates_applied": [r.get("updates_applied") for r in results],
-                "updates_expected": [r.get("updates_expected") for r in results],
-                "mean_staleness": _median(
-                    (r.get("staleness") or {}).get("overall_mean_staleness") for r in results
-                ),
-                "warmup_seconds": _median(r["warmup_seconds"] for r in results),
-                "runs": len(results),
-            }
-        )
-    return rows
-
-
-def _target(
-    key: str,
-    measured,
-    note: str = "",
-    target: float | None = None,
-    table=TARGETS,
-    unit: str = "x",
-    model: str | None = None,
-) -> dict[str, Any]:
-    text, op, value = next((d, o, v) for k, d, o, v in table if k == key)
-    value = value if target is None else target
-    met = None if measured is None else (measured >= value if op == ">=" else measured <= value)
-    return {
-        "key": key,
-        "model": model,
-        "input": "dataset",
-        "description": text,
-        "measured": measured,
-        "comparison": op,
-        "target": value,
-        "unit": unit,
-        "met": met,
-        "note": note,
-    }
-
-
-def _embedding_target(key: str, measured, note: str = "") -> dict[str, Any]:
-    unit = " pt" if key == "embedding_accuracy" else "x"
-    return _target(key, measured, note, table=embeddings.TARGETS, unit=unit, model="embeddings")
-
-
-def _control_targets(control) -> list[dict[str, Any]]:
-    def rate(contender, spe, field):
-        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
-        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
-        return row[field]["median"] if row else None
-
-    return [
-        _target(
-            key,
-            _ratio(
-                rate("tf_diffmap", spe, "updates_per_second"),
-                rate("plain_keras", spe, "steps_per_second"),
-            ),
-            note=f"tf_diffmap at its default steps_per_loop={DEFAULT_STEPS_PER_LOOP}",
-        )
-        for key, spe in (("control_spe16", 16), ("control_spe1", 1))
-    ]
-
-
-def _cluster_targets(cluster, plan, tf_keras) -> list[dict[str, Any]]:
-    def eps(contender, batch_size=plan.cluster_batch_size):
-        row = _find(cluster, contender=contender, batch_size=batch_size)
-        return row["examples_per_second"]["median"] if row else None
-
-    ours = eps("tf_diffmap_cluster")
-    pss = eps("parameter_server")
-    per_update = plan.cluster_batch_size * plan.cluster_workers
-    missing = "" if tf_keras.get("available") else "tf-keras not available (see above)"
-    return [
-        _target("cluster_vs_in_process", _ratio(ours, eps("tf_diffmap"))),
-        _target("cluster_vs_parameter_server", _ratio(ours, pss), note=missing),
-        _target(
-            "cluster_vs_parameter_server_per_update",
-            _ratio(eps("tf_diffmap_cluster", per_update), pss),
-            note=missing
-            or f"tf_diffmap at global batch {per_update}, ParameterServerStrategy at "
-            f"{plan.cluster_batch_size}",
-        ),
-    ]
-
-
-def _floor_ratios(table, rate, extra=None) -> list[dict[str, Any]]:
-    """The ratios of a floor table (`CONTROL_FLOOR`, `CLUSTER_FLOOR`), each
-    with the target it caps; `rate(side)` reads one side (None: not run),
-    `extra(numerator, denominator)` adds keys of the workload's own."""
-    targets = {key: (op, value) for key, _, op, value in TARGETS}
-    rows = []
-    for key, text, numerator, denominator, caps in table:
-        op, value = targets[caps[0]] if caps else (None, None)
-        rows.append(
-            {
-                "key": key,
-                "description": text,
-                "measured": _ratio(rate(numerator), rate(denominator)),
-                **(extra(numerator, denominator) if extra else {}),
-                "caps": caps[0] if caps else None,
-                "caps_name": caps[1] if caps else None,
-                "caps_comparison": op,
-                "caps_target": value,
-            }
-        )
-    return rows
-
-
-def _control_floor(control) -> list[dict[str, Any]]:
-    """The ratios of `CONTROL_FLOOR`, with the target each caps (None: not run)."""
-
-    def rate(side):
-        contender, spe, field = side
-        k = DEFAULT_STEPS_PER_LOOP if contender == "tf_diffmap" else None
-        row = _find(control, contender=contender, steps_per_execution=spe, steps_per_loop=k)
-        return row[field]["median"] if row else None
-
-    return _floor_ratios(CONTROL_FLOOR, rate)
-
-
-def _cluster_floor(cluster, plan) -> list[dict[str, Any]]:
-    """The ratios of `CLUSTER_FLOOR`, with the target each caps (None: not run)."""
-    batches = {
-        "batch": plan.cluster_batch_size,
-        "batch x workers": plan.cluster_batch_size * plan.cluster_workers,
-    }
-
-    def eps(side):
-        contender, batch = side
-        row = _find(cluster, contender=contender, batch_size=batches[batch])
-        return row["examples_per_second"]["median"] if row else None
-
-    return _floor_ratios(
-        CLUSTER_FLOOR,
-        eps,
-        lambda numerator, denominator: {
-            "batch_sizes": [batches[numerator[1]], batches[denominator[1]]]
-        },
-    )
-
-
-def _caps_text(row, markdown: bool = True) -> str:
-    """`cluster / one process (target ≥ 0.6x)`, or "" for a row that caps no target."""
-    if not row["caps"]:
-        return ""
-    op = row["caps_comparison"]
-    if markdown:
-        op = "≥" if op == ">=" else "≤"
-    return f"{row['caps_name']} (target {op} {row['caps_target']:.3g}x)"
-
-
-# The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
-FAULT_WINDOWS = ("before", "outage", "restarting", "after")
-FAULT_DELAYS = (
-    ("seconds_kill_to_lost", "kill → replica marked lost"),
-    ("seconds_restart_to_serving", "restart → new server serves"),
-    ("seconds_serving_to_rejoin", "serves → replica rejoined"),
-    ("seconds_restart_to_rejoin", "restart → rejoined"),
-    ("seconds_rejoin_to_first_update", "rejoined → its first update"),
-    ("seconds_rejoin_to_full_rate", "rejoined → end of its first bin at the full rate"),
-)
+    medians = ("peak_rss_mb_mlp", "peak_rss_mb_session")
+    return _rows(records, ("contender", "replicas"), medians=medians, max_staleness=max_staleness)
 
 
 def _fault_timeline(runs) -> list[dict[str, Any]]:
-    """The fault timeline: medians over runs of each window's rate and each delay.
-
-    Every run's own series (per bin: examples/s, per replica, CPU cores of
-    each process) is kept in `timelines`, for the plot.
-    """
-    results = [{**result, "_task": task} for _, task, result in _tasks(runs, "fault_timeline")]
+    """Medians over the runs of each window's rate and each delay; every
+    run's own series (per bin) in `timelines`, for the plot."""
+    results = list(_records(runs, "fault_timeline"))
     if not results:
         return []
-    task = results[0]["_task"]
+    first = results[0]
     summaries = [r["summary"] for r in results]
+    lost = first["lost_replicas"]
 
-    def window(name, field):
-        return _spread(s["windows"][name][field] for s in summaries)
+    def window(name):
+        found = [s["windows"][name] for s in summaries]
+        rates = [
+            w["replica_examples_per_second"] for w in found if w["replica_examples_per_second"]
+        ]
+        processes = list(dict.fromkeys(n for w in found for n in w["cpu_cores"]))
+        return {
+            "examples_per_second": _spread(w["examples_per_second"] for w in found),
+            "min_examples_per_second": _spread(w["min_examples_per_second"] for w in found),
+            "bin_cv": _median(w["bin_cv"] for w in found),
+            "bins": _median(w["bins"] for w in found),
+            "replica_examples_per_second": [
+                _median(v[i] for v in rates) for i in range(len(rates[0]) if rates else 0)
+            ],
+            "cpu_cores": {n: _median(w["cpu_cores"].get(n) for w in found) for n in processes},
+        }
 
-    def per_replica(name):
-        values = [s["windows"][name]["replica_examples_per_second"] for s in summaries]
-        values = [v for v in values if v]
-        return [_median(v[i] for v in values) for i in range(len(values[0]))] if values else []
-
-    def cores(name):
-        found = [s["windows"][name]["cpu_cores"] for s in summaries]
-        names = list(dict.fromkeys(n for f in found for n in f))
-        return {n: _median(f.get(n) for f in found) for n in names}
-
-    lost = results[0]["lost_replicas"]
+    shares = ("before_examples_per_second", "outage_share", "restarting_share", "after_share")
     return [
         {
             "contender": "tf_diffmap_cluster",
             "label": label("tf_diffmap_cluster"),
-            "workers": len(results[0]["devices"]),
-            "devices": results[0]["devices"],
-            "killed_worker": results[0]["killed_worker"],
-            "lost_replicas": lost,
-            "input": task.get("input", "dataset"),
-            "steps_per_epoch": task.get("steps_per_epoch"),
-            "seconds": task["seconds"],
-            "kill_at": task["kill_at"],
-            "restart_at": task["restart_at"],
-            "windows": {
-                name: {
-                    "examples_per_second": window(name, "examples_per_second"),
-                    "min_examples_per_second": window(name, "min_examples_per_second"),
-                    "bin_cv": _median(s["windows"][name]["bin_cv"] for s in summaries),
-                    "bins": _median(s["windows"][name]["bins"] for s in summaries),
-                    "replica_examples_per_second": per_replica(name),
-                    "cpu_cores": cores(name),
-                }
-                for name in FAULT_WINDOWS
+            "workers": len(first["devices"]),
+            **{
+                k: first[k]
+                for k in ("devices", "killed_worker", "lost_replicas", "input", "seconds")
+                + ("kill_at", "restart_at")
             },
-            "before_examples_per_second": _spread(
-                s["before_examples_per_second"] for s in summaries
-            ),
-            "outage_share": _spread(s["outage_share"] for s in summaries),
-            "restarting_share": _spread(s["restarting_share"] for s in summaries),
-            "after_share": _spread(s["after_share"] for s in summaries),
+            "windows": {name: window(name) for name in FAULT_WINDOWS},
+            **{k: _spread(s[k] for s in summaries) for k in shares},
             "delays": {key: _spread(s[key] for s in summaries) for key, _ in FAULT_DELAYS},
             "full_rate": summaries[0]["full_rate"],
             "rejoined_runs": sum(s["seconds_restart_to_rejoin"] is not None for s in summaries),
@@ -763,12 +295,15 @@ def _fault_timeline(runs) -> list[dict[str, Any]]:
                 {
                     "events": r["events"],
                     "summary": {k: v for k, v in r["summary"].items() if k != "windows"},
-                    "start": [b["start"] for b in r["bins"]],
-                    "examples_per_second": [b["examples_per_second"] for b in r["bins"]],
-                    "replica_examples_per_second": [
-                        b["replica_examples_per_second"] for b in r["bins"]
-                    ],
-                    "cpu_cores": [b["cpu_cores"] for b in r["bins"]],
+                    **{
+                        k: [b[k] for b in r["bins"]]
+                        for k in (
+                            "start",
+                            "examples_per_second",
+                            "replica_examples_per_second",
+                            "cpu_cores",
+                        )
+                    },
                 }
                 for r in results
             ],
@@ -777,188 +312,201 @@ def _fault_timeline(runs) -> list[dict[str, Any]]:
     ]
 
 
-def _fault_targets(plan, rows) -> list[dict[str, Any]]:
-    row = rows[0] if rows else None
-    workers = plan.fault_workers
-    survivors = (workers - 1) / workers
-    return [
-        _target(
-            "fault_outage",
-            row["outage_share"]["median"] if row else None,
-            note=f"the surviving workers' share: {workers - 1} of {workers}",
-            target=survivors,
-        ),
-        _target(
-            "fault_after",
-            row["after_share"]["median"] if row else None,
-            note=f"the full rate, within {1 - plan.fault_full_rate:.0%}"
-            + (
-                ""
-                if not row or row["rejoined_runs"] == row["runs"]
-                else f"; the worker rejoined in {row['rejoined_runs']} of {row['runs']} runs"
+# -- Targets --------------------------------------------------------------------
+
+
+def met(measured, comparison: str, threshold: float) -> bool | None:
+    """Whether `measured` meets the target (None: not measured)."""
+    if measured is None:
+        return None
+    return measured >= threshold if comparison == ">=" else measured <= threshold
+
+
+def _target(key, measured, note="", suffix="", threshold=None, missing="") -> dict[str, Any]:
+    """A target's record; `missing` says why a figure of None was not measured."""
+    text, comparison, default, unit = TARGETS[key]
+    threshold = default if threshold is None else threshold
+    if measured is None:
+        note = "; ".join(n for n in (missing or "a figure it needs was not measured", note) if n)
+    return {
+        "key": key,
+        "description": text + suffix,
+        "measured": measured,
+        "comparison": comparison,
+        "target": threshold,
+        "unit": unit,
+        "met": met(measured, comparison, threshold),
+        "note": note,
+    }
+
+
+def _all_targets(plan, results, tf_keras) -> list[dict[str, Any]]:
+    """Every target of the workloads the plan ran."""
+    chosen, out = plan.workloads, []
+    tf_keras_missing = "" if tf_keras.get("available") else NO_TF_KERAS
+    throughput, straggler = results["throughput"], results["straggler"]
+    numpy = "mlp" in plan.models and bool(plan.numpy_input_replicas)
+    inputs = [(m, "dataset") for m in plan.models] + [("mlp", "numpy")] * numpy
+    for key, replicas, theirs in (
+        ("overhead", 1, "plain_keras"),
+        ("even_vs_mirrored", 4, "mirrored"),
+        ("even_vs_central", 4, "central_storage"),
+    ):
+        for model, input_ in inputs if "throughput" in chosen else []:
+            if key == "even_vs_central" and input_ == "numpy":
+                continue
+            kind = workloads.MODELS[model]["description"].split(" ")[0]
+            where = {"model": model, "input": input_, "replicas": replicas}
+            out.append(
+                _target(
+                    key,
+                    _ratio(
+                        _rate(throughput, contender="tf_diffmap", **where),
+                        _rate(throughput, contender=theirs, **where),
+                    ),
+                    suffix=f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})",
+                    note="Keras 3 rebuilds MirroredStrategy's distributed iterator every epoch"
+                    if key == "even_vs_mirrored" and input_ == "numpy"
+                    else "",
+                    missing=tf_keras_missing if key == "even_vs_central" else "",
+                )
+            )
+    if "straggler" in chosen:
+        slowed = _rate(straggler, contender="tf_diffmap", replicas=4, slowdown=4)
+        mirrored = _rate(straggler, contender="mirrored", replicas=4, slowdown=4)
+        out.append(_target("straggler_vs_mirrored", _ratio(slowed, mirrored)))
+        out.append(
+            _target(
+                "straggler_retention",
+                _ratio(slowed, _rate(straggler, contender="tf_diffmap", replicas=4, slowdown=1)),
+                note="no-straggler reference: the same model and delay layer with a 0 s delay",
+            )
+        )
+    if "accuracy" in chosen:
+        out += _accuracy_targets(plan, results["accuracy"])
+    if "control" in chosen:
+        for key, spe in (("control_spe16", 16), ("control_spe1", 1)):
+            where = {"steps_per_execution": spe}
+            ours = _rate(
+                results["control"],
+                "updates_per_second",
+                contender="tf_diffmap",
+                steps_per_loop=DEFAULT_STEPS_PER_LOOP,
+                **where,
+            )
+            keras = _rate(results["control"], "steps_per_second", contender="plain_keras", **where)
+            note = f"tf_diffmap at its default steps_per_loop={DEFAULT_STEPS_PER_LOOP}"
+            out.append(_target(key, _ratio(ours, keras), note=note))
+    if "cluster" in chosen:
+        batch, rows = plan.cluster_batch_size, results["cluster"]
+        per_update = batch * plan.cluster_workers
+        ours = _rate(rows, contender="tf_diffmap_cluster", batch_size=batch)
+        pss = _rate(rows, contender="parameter_server", batch_size=batch)
+        in_process = _rate(rows, contender="tf_diffmap", batch_size=batch)
+        out += [
+            _target("cluster_vs_in_process", _ratio(ours, in_process)),
+            _target("cluster_vs_parameter_server", _ratio(ours, pss), missing=tf_keras_missing),
+            _target(
+                "cluster_vs_parameter_server_per_update",
+                _ratio(_rate(rows, contender="tf_diffmap_cluster", batch_size=per_update), pss),
+                note=f"tf_diffmap at global batch {per_update}, ParameterServerStrategy at {batch}",
+                missing=tf_keras_missing,
             ),
+        ]
+    if "fault_timeline" in chosen:
+        out += _fault_targets(plan, results["fault_timeline"])
+    if "embeddings" in chosen:
+        out += _embedding_targets(plan, results["embeddings"], tf_keras_missing)
+    return out
+
+
+def _accuracy_targets(plan, rows) -> list[dict[str, Any]]:
+    ours = _find(rows, contender="tf_diffmap", rule="none", straggler=True)
+    theirs = _find(rows, contender="mirrored", rule=None, straggler=True)
+    top = str(max(plan.accuracy_targets))
+    note = "AsyncOptimizer rule 'none'"
+    if ours and theirs and theirs["seconds_to"].get(top) is None:
+        note = (
+            f"MirroredStrategy did not reach {float(top):.0%} within {theirs['epochs']} epochs "
+            "in most runs"
+        )
+    elif ours and theirs and ours["seconds_to"].get(top) is None:
+        note = f"tf_diffmap did not reach {float(top):.0%} in most runs"
+    ratio = _ratio(ours and ours["seconds_to"].get(top), theirs and theirs["seconds_to"].get(top))
+    accuracies = [r and r["final_accuracy"]["median"] for r in (ours, theirs)]
+    gap = None if None in accuracies else 100 * (accuracies[0] - accuracies[1])
+    return [
+        _target("tta_vs_mirrored", ratio, note=note),
+        _target(
+            "final_accuracy_gap",
+            gap,
+            note="read as: not more than half a point below MirroredStrategy",
         ),
     ]
 
 
-def _memory(runs, max_staleness) -> list[dict[str, Any]]:
-    groups: dict[tuple, list[tuple]] = defaultdict(list)
-    for run in runs:
-        session = run["result"]
-        if session.get("status") != "ok":
-            continue
-        if {t["kind"] for t in run["config"]["tasks"]} <= {"control", "cluster", "fault_timeline"}:
-            continue  # their own sessions, not the timed contenders' memory
-        first = (session.get("tasks") or [None])[0]
-        after_first = None
-        if (
-            first
-            and first["task"]["kind"] == "throughput"
-            and first["task"]["model"] == "mlp"
-            and first["task"].get("input", "dataset") == "dataset"
-        ):
-            after_first = first["result"].get("peak_rss_mb")
-        groups[(session["contender"], session["replicas"])].append(
-            (after_first, session.get("peak_rss_mb"))
-        )
-    rows = []
-    for (contender, replicas), values in sorted(groups.items()):
-        rows.append(
-            {
-                "contender": contender,
-                "label": label(contender, max_staleness),
-                "replicas": replicas,
-                "peak_rss_mb_mlp": _median(v[0] for v in values),
-                "peak_rss_mb_session": _median(v[1] for v in values),
-                "runs": len(values),
-            }
-        )
-    return rows
-
-
-def _find(rows, **match):
-    for row in rows:
-        if all(row.get(k) == v for k, v in match.items()):
-            return row
-    return None
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-def _targets(plan, throughput, straggler, accuracy, tf_keras) -> list[dict[str, Any]]:
-    out = []
-    described = {key: (text, op, value) for key, text, op, value in TARGETS}
-
-    def add(key, measured, note="", model=None, unit="x", input_="dataset"):
-        text, op, value = described[key]
-        if model:
-            kind = MODELS[model]["description"].split(" ")[0]
-            text += f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})"
-        met = None
-        if measured is not None:
-            met = measured >= value if op == ">=" else measured <= value
-        out.append(
-            {
-                "key": key,
-                "model": model,
-                "input": input_,
-                "description": text,
-                "measured": measured,
-                "comparison": op,
-                "target": value,
-                "unit": unit,
-                "met": met,
-                "note": note,
-            }
-        )
-
-    def eps(model, replicas, contender, input_="dataset"):
-        row = _find(throughput, model=model, replicas=replicas, contender=contender, input=input_)
-        return row["examples_per_second"]["median"] if row else None
-
-    numpy = "mlp" in plan.models and bool(plan.numpy_input_replicas)
-    for model in plan.models:
-        add(
-            "overhead",
-            _ratio(eps(model, 1, "tf_diffmap"), eps(model, 1, "plain_keras")),
-            model=model,
-        )
-    if numpy:
-        add(
-            "overhead",
-            _ratio(eps("mlp", 1, "tf_diffmap", "numpy"), eps("mlp", 1, "plain_keras", "numpy")),
-            model="mlp",
-            input_="numpy",
-        )
-    for model in plan.models:
-        add(
-            "even_vs_mirrored",
-            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "mirrored")),
-            model=model,
-        )
-    if numpy:
-        add(
-            "even_vs_mirrored",
-            _ratio(eps("mlp", 4, "tf_diffmap", "numpy"), eps("mlp", 4, "mirrored", "numpy")),
-            model="mlp",
-            input_="numpy",
-            note="Keras 3 rebuilds MirroredStrategy's distributed iterator every epoch",
-        )
-    for model in plan.models:
-        note = "" if tf_keras.get("available") else "tf-keras not available (see above)"
-        add(
-            "even_vs_central",
-            _ratio(eps(model, 4, "tf_diffmap"), eps(model, 4, "central_storage")),
-            note=note,
-            model=model,
-        )
-
-    def straggled(contender, slowdown):
-        row = _find(straggler, replicas=4, contender=contender, slowdown=slowdown)
-        return row["examples_per_second"]["median"] if row else None
-
-    add("straggler_vs_mirrored", _ratio(straggled("tf_diffmap", 4), straggled("mirrored", 4)))
-    add(
-        "straggler_retention",
-        _ratio(straggled("tf_diffmap", 4), straggled("tf_diffmap", 1)),
-        note="no-straggler reference: the same model and delay layer with a 0 s delay",
-    )
-    ours = _find(accuracy, contender="tf_diffmap", rule="none", straggler=True)
-    theirs = _find(accuracy, contender="mirrored", rule=None, straggler=True)
-    top = str(max(plan.accuracy_targets))
-    note = ""
-    if ours and theirs:
-        if theirs["seconds_to"].get(top) is None:
-            note = (
-                f"MirroredStrategy did not reach {float(top):.0%} within "
-                f"{theirs['epochs']} epochs in most runs"
-            )
-        elif ours["seconds_to"].get(top) is None:
-            note = f"tf_diffmap did not reach {float(top):.0%} in most runs"
-    add(
-        "tta_vs_mirrored",
-        _ratio(
-            ours["seconds_to"].get(top) if ours else None,
-            theirs["seconds_to"].get(top) if theirs else None,
+def _fault_targets(plan, rows) -> list[dict[str, Any]]:
+    row = rows[0] if rows else None
+    workers = plan.fault_workers
+    after = f"the full rate, within {1 - plan.fault_full_rate:.0%}"
+    if row and row["rejoined_runs"] != row["runs"]:
+        after += f"; the worker rejoined in {row['rejoined_runs']} of {row['runs']} runs"
+    return [
+        _target(
+            "fault_outage",
+            row and row["outage_share"]["median"],
+            note=f"the surviving workers' share: {workers - 1} of {workers}",
+            threshold=(workers - 1) / workers,
         ),
-        note=note or "AsyncOptimizer rule 'none'",
-    )
-    gap = None
-    if (
-        ours
-        and theirs
-        and ours["final_accuracy"]["median"] is not None
-        and theirs["final_accuracy"]["median"] is not None
-    ):
-        gap = 100 * (ours["final_accuracy"]["median"] - theirs["final_accuracy"]["median"])
-    add(
-        "final_accuracy_gap",
-        gap,
-        unit=" points",
-        note="read as: not more than half a point below MirroredStrategy",
-    )
+        _target("fault_after", row and row["after_share"]["median"], note=after),
+    ]
+
+
+def _embedding_targets(plan, table, tf_keras_missing) -> list[dict[str, Any]]:
+    small, large = min(plan.embedding_rows), max(plan.embedding_rows)
+    ours = _rate(table, contender="tf_diffmap", rows=large, optimizer="sgd")
+    gaps = []
+    for row in table:
+        same = _find(table, contender="plain_keras", rows=row["rows"], optimizer=row["optimizer"])
+        if row["contender"] == "tf_diffmap" and same:
+            if None not in (row["best_val_accuracy"], same["best_val_accuracy"]):
+                gaps.append(100 * (row["best_val_accuracy"] - same["best_val_accuracy"]))
+    replicas = plan.embedding_replicas
+    out = [
+        _target(
+            "embedding_scaling",
+            _ratio(ours, _rate(table, contender="tf_diffmap", rows=small, optimizer="sgd")),
+            note=f"{replicas} replicas, {large:,} rows / {small:,} rows",
+        ),
+        _target(
+            "embedding_vs_keras",
+            _ratio(ours, _rate(table, contender="plain_keras", rows=large, optimizer="sgd")),
+            note=f"{replicas} replicas / one device, {large:,} rows",
+        ),
+        _target(
+            "embedding_accuracy",
+            min(gaps, default=None),
+            note=f"{plan.embedding_epochs} epochs each",
+        ),
+    ]
+    rows = plan.embedding_cluster_rows
+    if rows is not None:
+        ratios = [
+            _ratio(
+                _rate(table, contender="tf_diffmap_cluster", rows=rows, optimizer=o),
+                _rate(table, contender="parameter_server", rows=rows, optimizer=o),
+            )
+            for o in plan.embedding_cluster_optimizers
+        ]
+        ratios = [r for r in ratios if r is not None]
+        note = (
+            f"{plan.embedding_cluster_workers} workers, {plan.embedding_cluster_ps} ps, "
+            f"{rows:,} rows, {plan.embedding_batch_size} examples per update"
+        )
+        cluster = _target(
+            "embedding_cluster", min(ratios, default=None), note, missing=tf_keras_missing
+        )
+        out.insert(2, cluster)
     return out
 
 
@@ -975,56 +523,112 @@ def build(
     seconds,
 ):
     """The results document (what `results.json` holds)."""
-    versions = next(
-        (
-            {
-                "tensorflow": r["result"].get("tensorflow_version"),
-                "keras": r["result"].get("keras_version"),
-            }
-            for r in runs
-            if r["result"].get("status") == "ok" and not CONTENDERS[r["config"]["contender"]].legacy
-        ),
-        {},
+
+    def version(legacy: bool, key: str):
+        for run in runs:
+            if run["result"].get("status") == "ok":
+                if CONTENDERS[run["config"]["contender"]].legacy == legacy:
+                    return run["result"].get(key)
+        return None
+
+    bounded = plan.max_staleness
+    straggler = _rows(
+        _records(runs, "straggler"),
+        ("replicas", "contender", "slowdown"),
+        spreads=("examples_per_second", "median_epoch_seconds"),
+        medians=("delay_seconds", "replica0_share", "mean_staleness"),
+        max_staleness=bounded,
     )
-    legacy = next(
-        (
-            r["result"].get("keras_version")
-            for r in runs
-            if r["result"].get("status") == "ok" and CONTENDERS[r["config"]["contender"]].legacy
-        ),
-        None,
+    for row in straggler:
+        base = _rate(straggler, replicas=row["replicas"], contender=row["contender"], slowdown=1)
+        row["retention"] = _ratio(row["examples_per_second"]["median"], base)
+    throughput = _rows(
+        _records(runs, "throughput"),
+        ("model", "input", "replicas", "contender"),
+        spreads=("examples_per_second",),
+        medians=("median_epoch_seconds", "warmup_seconds", "mean_staleness"),
+        max_staleness=bounded,
     )
-    throughput = _throughput(runs, plan.max_staleness)
-    straggler = _straggler(runs, plan.max_staleness)
-    accuracy = _accuracy(runs, plan.max_staleness)
-    control = _control(runs)
-    cluster = _cluster(runs)
-    # Without the floor (not run for a model it does not know) there is no table.
-    ran_floor = "cluster" in plan.workloads and "floor_cluster" in plan.cluster_contenders
-    cluster_floor = _cluster_floor(cluster, plan) if ran_floor else []
-    ran_control_floor = "control" in plan.workloads and any(
-        floor in plan.control_contenders for floor in CONTROL_FLOORS
+    for row in throughput:
+        where = {k: row[k] for k in ("model", "input", "replicas")}
+        mirrored = _rate(throughput, contender="mirrored", **where)
+        row["vs_mirrored"] = _ratio(row["examples_per_second"]["median"], mirrored)
+    accuracy = _rows(
+        _records(runs, "accuracy"),
+        ("contender", "replicas", "rule", "straggler"),
+        spreads=("final_accuracy",),
+        medians=("best_accuracy", "train_seconds", "mean_staleness", "replica0_share"),
+        firsts=("drop_above", "delay", "epochs"),
+        extra=_accuracy_extra,
+        max_staleness=bounded,
     )
-    control_floor = _control_floor(control) if ran_control_floor else []
-    fault_timeline = _fault_timeline(runs)
-    targets = _targets(plan, throughput, straggler, accuracy, tf_keras)
-    if "control" in plan.workloads:
-        targets += _control_targets(control)
-    if "cluster" in plan.workloads:
-        targets += _cluster_targets(cluster, plan, tf_keras)
-    if "fault_timeline" in plan.workloads:
-        targets += _fault_targets(plan, fault_timeline)
-    embedding_rows = embeddings.rows(runs)
-    if "embeddings" in plan.workloads:
-        targets += embeddings.targets(embedding_rows, plan, _embedding_target)
-    return {
+    rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}
+    accuracy.sort(key=lambda r: (not r["straggler"], _order(r["contender"]), rules.get(r["rule"])))
+    cluster = _rows(
+        _records(runs, "cluster"),
+        ("contender", "batch_size"),
+        spreads=("examples_per_second", "median_replica_ms_per_update", "cpu_ms_per_update")
+        + ("cpu_ms_per_1000_examples",),
+        medians=("median_epoch_seconds", "mean_staleness", "warmup_seconds"),
+        firsts=("devices", "replica_time_source", "cpu_processes"),
+    )
+    for row in cluster:
+        name = "tf_diffmap, one process" if row["contender"] == "tf_diffmap" else row["label"]
+        row["label"] = f"{name}, batch {row['batch_size']}"
+    points = _rows(
+        _records(runs, "points"),
+        ("replicas",),
+        spreads=("ms_per_batch", "point_cpu_ms_median", "point_cpu_ms_p90")
+        + ("snapshots_overhead", "every_point_overhead", "budget_overhead"),
+        firsts=("batches_per_fit",),
+        extra=lambda group: {
+            "points_per_run": [r["points"] for r in group],
+            "budget_points": _spread(p for r in group for p in r["budget_points"]),
+        },
+    )
+    control = _rows(
+        _records(runs, "control"),
+        ("contender", "steps_per_loop", "steps_per_execution"),
+        spreads=("steps_per_second", "updates_per_second", "cpu_us_per_update"),
+        medians=("mean_staleness",),
+        firsts=("updates_per_step",),
+        extra=lambda group: {
+            "updates_counted": [r.get("updates_counted") for r in group],
+            "updates_expected": [r.get("updates_expected") for r in group],
+        },
+    )
+    control.sort(
+        key=lambda r: (
+            _order(r["contender"]),
+            -(r["steps_per_loop"] or 0),
+            -r["steps_per_execution"],
+        )
+    )
+    embeddings = _rows(
+        _records(runs, "embeddings"),
+        ("optimizer", "rows", "contender", "replicas"),
+        medians=("examples_per_second", "cpu_seconds_per_1000_examples", "val_accuracy")
+        + ("best_val_accuracy", "bytes_sent_per_update", "mean_staleness"),
+        firsts=("table_mb", "examples_per_update", "table_shards"),
+    )
+    convergence = _rows(
+        _records(runs, "convergence"),
+        ("regime", "model", "optimizer", "rule"),
+        spreads=("final_accuracy", "mean_staleness"),
+        extra=lambda group: {"momentum_warning": any(r["momentum_warning"] for r in group)},
+    )
+    results = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "seconds": seconds,
         "plan": plan.to_dict(),
         "machine": machine,
-        "versions": {**versions, "tf_keras": legacy},
+        "versions": {
+            "tensorflow": version(False, "tensorflow_version"),
+            "keras": version(False, "keras_version"),
+            "tf_keras": version(True, "keras_version"),
+        },
         "tf_keras": tf_keras,
         "mirrored_reduce": mirrored_reduce,
         "inter_op_threads": inter_op_threads,
@@ -1032,665 +636,262 @@ def build(
         "throughput": throughput,
         "straggler": straggler,
         "accuracy": accuracy,
-        "memory": _memory(runs, plan.max_staleness),
-        "convergence": _convergence(runs),
-        "points": _points(runs),
+        "memory": _memory(runs, bounded),
+        "convergence": convergence,
+        "points": points,
         "control": control,
-        "control_floor": control_floor,
         "cluster": cluster,
-        "cluster_floor": cluster_floor,
-        "fault_timeline": fault_timeline,
-        "embeddings": embedding_rows,
-        "targets": targets,
+        "fault_timeline": _fault_timeline(runs),
+        "embeddings": embeddings,
         "errors": _errors(runs),
         "sessions": runs,
     }
+    results["targets"] = _all_targets(plan, results, tf_keras)
+    results["tables"] = tables(results)
+    return results
 
 
-# -- Markdown -------------------------------------------------------------------
+# -- Tables ---------------------------------------------------------------------
 
 
-def _num(value, digits=0, unit="") -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:,.{digits}f}{unit}"
+def _table(title, columns, rows, formats=None, notes=()) -> dict[str, Any]:
+    """A table: rows keyed by column; `formats` per column (`str.format`
+    patterns, applied to numbers and to each figure of a spread)."""
+    return {
+        "title": title,
+        "columns": list(columns),
+        "formats": formats or {},
+        "rows": rows,
+        "notes": [n for n in notes if n],
+    }
 
 
-def _cell(spread, digits=0) -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    if len(spread["values"]) < 2:
-        return _num(spread["median"], digits)
-    return (
-        f"{_num(spread['median'], digits)} "
-        f"({_num(spread['min'], digits)}–{_num(spread['max'], digits)})"
-    )
+def _layout(title, rows, spec, notes=()) -> dict[str, Any]:
+    """A table of `rows` (the results' own) laid out by `spec`: one
+    `(column, field, format)` per column, the format None for the default."""
+    columns = [c for c, _, _ in spec]
+    cells = [{c: r.get(f) for c, f, _ in spec} for r in rows]
+    return _table(title, columns, cells, {c: p for c, _, p in spec if p}, notes)
 
 
-def _contenders_in(rows) -> list[str]:
-    present = {r["contender"] for r in rows}
-    return [c for c in CONTENDERS if c in present]
-
-
-def _targets_table(results, keys=None) -> list[str]:
-    """The targets table: of `keys`, or by default of the timed workloads."""
-    own = CONTROL_TARGETS + CLUSTER_TARGETS + FAULT_TARGETS
-    own += tuple(t[0] for t in embeddings.TARGETS)
-    lines = ["| Target | Measured | Target | Result | Note |", "| --- | --- | --- | --- | --- |"]
-    for t in results["targets"]:
-        if (t["key"] not in keys) if keys is not None else (t["key"] in own):
-            continue
-        unit = t["unit"]
-        measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
-        target = f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:.3g}{unit}"
-        result = {True: "**met**", False: "**missed**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['description']} | {measured} | {target} | {result} | {t['note']} |")
-    return lines
-
-
-def _throughput_table(results) -> list[str]:
-    rows = results["throughput"]
-    names = _contenders_in(rows)
-    labels = {r["contender"]: r["label"] for r in rows}
-    lines = [
-        "| Model | Replicas | "
-        + " | ".join(labels[c] for c in names)
-        + " | tf_diffmap / Mirrored |",
-        "| --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
-    ]
-    for model, input_ in dict.fromkeys((r["model"], r["input"]) for r in rows):
-        mine = [r for r in rows if r["model"] == model and r["input"] == input_]
-        for replicas in sorted({r["replicas"] for r in mine}):
-            cells = []
-            for c in names:
-                row = _find(mine, replicas=replicas, contender=c)
-                cells.append(_cell(row["examples_per_second"]) if row else "–")
-            ours = _find(mine, replicas=replicas, contender="tf_diffmap")
-            theirs = _find(mine, replicas=replicas, contender="mirrored")
-            ratio = _ratio(
-                ours and ours["examples_per_second"]["median"],
-                theirs and theirs["examples_per_second"]["median"],
-            )
-            name = model.upper() + (", NumPy arrays" if input_ == "numpy" else "")
-            lines.append(
-                f"| {name} | {replicas} | " + " | ".join(cells) + f" | {_num(ratio, 2, 'x')} |"
-            )
-    return lines
-
-
-def _straggler_table(results) -> list[str]:
-    rows = results["straggler"]
-    slowdowns = sorted({r["slowdown"] for r in rows})
-    top = max(slowdowns) if slowdowns else None
-    head = (
-        ["Replicas", "Contender"]
-        + [f"k={k} examples/s" for k in slowdowns]
-        + [f"k={k} s/epoch" for k in slowdowns]
-        + [f"kept at k={top}", f"replica 0 share at k={top}"]
-    )
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for replicas in sorted({r["replicas"] for r in rows}):
-        for c in _contenders_in(rows):
-            found = [_find(rows, replicas=replicas, contender=c, slowdown=k) for k in slowdowns]
-            if not any(found):
-                continue
-            last = found[-1]
-            cells = [str(replicas), found[0]["label"] if found[0] else c]
-            cells += [_cell(f["examples_per_second"]) if f else "–" for f in found]
-            cells += [_num(f["epoch_seconds"]["median"], 2) if f else "–" for f in found]
-            cells.append(_num(last and last["retention"] and 100 * last["retention"], 0, "%"))
-            share = last and last["replica0_share"]
-            cells.append(_num(share and 100 * share, 1, "%") if share is not None else "–")
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _accuracy_table(results) -> list[str]:
-    rows = results["accuracy"]
-    if not rows:
-        return ["(not run)"]
-    targets = list(rows[0]["seconds_to"])
-    head = (
-        ["Contender", "Rule", "Straggler"]
-        + [f"s to {float(t):.0%}" for t in targets]
-        + [
-            f"epochs to {float(targets[-1]):.0%}",
-            "final accuracy",
-            "mean / max staleness",
-            "dropped",
-            "replica 0 share",
-            "train s",
-        ]
-    )
-    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
-    for row in rows:
-        rule = row["rule"] or "–"
-        if row["rule"] == "drop":
-            rule = f"drop (> {row['drop_above']})"
-        cells = [
-            f"{row['label']} ({row['replicas']})",
-            rule,
-            f"replica 0 ×{_slowdown(results, row)}" if row["straggler"] else "none",
-        ]
-        for t in targets:
-            value = row["seconds_to"][t]
-            cells.append(
-                _num(value, 2)
-                if value is not None
-                else f"not reached ({row['reached'][t]}/{row['runs']} runs did)"
-            )
-        cells.append(
-            _num(row["epochs_to"][targets[-1]], 0)
-            if row["epochs_to"][targets[-1]] is not None
-            else "–"
-        )
-        cells.append(_cell(row["final_accuracy"], 4))
-        if row["mean_staleness"] is not None:
-            cells.append(f"{row['mean_staleness']:.2f} / {row['max_staleness']}")
-        else:
-            cells.append("–")
-        cells.append(
-            _num(100 * row["dropped_fraction"], 1, "%")
-            if row["dropped_fraction"] is not None
-            else "–"
-        )
-        cells.append(
-            _num(100 * row["replica0_share"], 1, "%") if row["replica0_share"] is not None else "–"
-        )
-        cells.append(_num(row["train_seconds"], 1))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _slowdown(results, row) -> str:
-    return str(results["plan"]["accuracy_slowdown"])
-
-
-# An accuracy below this is a collapse (chance is 0.1 on digits).
-COLLAPSED = 0.5
-
-
-def _convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
-    """A row's verdict on the default rule, and whether it met its target
-    (None when the row does not measure its regime)."""
-    if default is None or sync is None:
-        return "n/a", None
-    staleness = default["mean_staleness"]["median"]
-    if staleness is None or staleness < floor:
-        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
-    acc = default["final_accuracy"]
-    worst = acc["min"] if acc["min"] is not None else acc["median"]
-    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
-    short = [
-        name
-        for name, row in references
-        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
-    ]
-    if worst < COLLAPSED:
-        short.append(f"a run at {worst:.3f}")
-    if short:
-        return "missed (" + ", ".join(short) + ")", False
-    return "met", True
-
-
-def _convergence_table(results, regime: str, per_device: int, floor: float) -> list[str]:
-    rows = [r for r in results["convergence"] if r["regime"] in (regime, "sync")]
-    plan = results["plan"]
-    rules = list(plan["convergence_rules"])
-    header = ["Model", "Optimizer", "sync"] + [
-        f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules
-    ]
-    header += ["default − sync", "default − `none`", "target"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    verdicts = []
-    for model, optimizer in plan["convergence_rows"]:
-        key = {"model": model, "optimizer": optimizer}
-        sync = _find(rows, regime="sync", rule=None, **key)
-        found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
-        cells = [model, workloads.convergence_optimizer_label(model, optimizer), _acc(sync)]
-        cells += [_acc(found[rule], staleness=True) for rule in rules]
-        default, none = found.get("auto"), found.get("none")
-        for reference in (sync, none):
-            if default is None or reference is None:
-                cells.append("n/a")
-            else:
-                gap = default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
-                cells.append(f"{100 * gap:+.1f}")
-        verdict, met = _convergence_verdict(regime, floor, default, sync, none)
-        verdicts.append(met)
-        cells.append(verdict)
-        lines.append("| " + " | ".join(cells) + " |")
-    counted = [v for v in verdicts if v is not None]
-    lines += [
-        "",
-        f"Target ({regime} staleness): the default rule's median within 1 point of the "
-        "synchronous reference"
-        + (" and of `none`" if regime == "low" else "")
-        + ", and no run of it below 0.5: "
-        + (f"**met** in {sum(counted)} of {len(counted)} valid rows" if counted else "no valid row")
-        + (
-            f"; {len(verdicts) - len(counted)} rows invalid or missing."
-            if len(counted) < len(verdicts)
-            else "."
-        ),
-    ]
-    return lines
-
-
-def _acc(row, staleness: bool = False) -> str:
-    if row is None:
+def cell(value, pattern: str | None = None) -> str:
+    """A cell's text: "–" for nothing, a spread as "median (min–max)"."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    spread = row["final_accuracy"]
-    text = _cell(spread, 3)
-    if spread["median"] is not None and spread["median"] < COLLAPSED:
-        text = f"**{text}**"
-    mean = row.get("mean_staleness")
-    if isinstance(mean, dict):
-        mean = mean["median"]
-    if staleness and mean is not None:
-        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
-    return text
+    if isinstance(value, dict):
+        text = cell(value["median"], pattern)
+        if value["median"] is None or len(value["values"]) < 2:
+            return text
+        return f"{text} ({cell(value['min'], pattern)}–{cell(value['max'], pattern)})"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        default = "{:,}" if isinstance(value, int) else "{:,.2f}"
+        return (pattern or default).format(value)
+    if isinstance(value, list):
+        return ", ".join(cell(v, pattern) for v in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _memory_table(results) -> list[str]:
-    rows = results["memory"]
-    counts = sorted({r["replicas"] for r in rows})
-    lines = [
-        "| Contender | " + " | ".join(f"{n} replica(s)" for n in counts) + " |",
-        "| --- | " + " | ".join("---" for _ in counts) + " |",
-    ]
-    for c in _contenders_in(rows):
-        cells = []
-        for n in counts:
-            row = _find(rows, contender=c, replicas=n)
-            if row is None:
-                cells.append("–")
-            else:
-                cells.append(
-                    f"{_num(row['peak_rss_mb_mlp'], 0)} / {_num(row['peak_rss_mb_session'], 0)}"
-                )
-        label_ = next(r["label"] for r in rows if r["contender"] == c)
-        lines.append(f"| {label_} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _points_section(results) -> list[str]:
-    rows = results.get("points") or []
-    if not rows:
-        return []
-    plan = results["plan"]
-    lines = [
-        '## Staleness points (`StalenessTensorBoard(update_freq="batch")`)',
-        "",
-        "| Replicas | CPU per point, ms (p90) | Batch, ms | `fit` with snapshots only "
-        "| `fit` with every point | `fit` with the default budget "
-        "| Points at the default budget |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['replicas']} | {_cell(row['point_cpu_ms'], 3)} "
-            f"({_num(row['point_cpu_ms_p90']['median'], 3)}) "
-            f"| {_cell(row['ms_per_batch'], 1)} "
-            f"| {_percent(row['snapshots_overhead'])} "
-            f"| {_percent(row['every_point_overhead'])} "
-            f"| {_percent(row['budget_overhead'])} "
-            f"| {_num(row['budget_points']['median'], 0)} of {row['batches_per_fit']} |"
-        )
-    lines += [
-        "",
-        f"Digits, the MLP, batch {plan['points_batch_size']}, {plan['points_epochs']} "
-        f"epoch(s) per `fit`, {plan['points_rounds']} rounds of four `fit`s (none, the "
-        "graph's counter snapshots on with no callback, every point with "
-        "`max_overhead=None`, the default `max_overhead=0.02`) per run. CPU per point: the "
-        "callback's own measure (`point_cpu_seconds`), median over the points; `fit` "
-        "columns: median `fit` time against the one without the callback (noisy on a "
-        "shared host).",
-        "",
-    ]
-    return lines
-
-
-def _percent(spread) -> str:
-    if not spread or spread.get("median") is None:
-        return "n/a"
-    return f"{100 * spread['median']:+.1f}%"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """`results.md`: the run's settings, targets and tables."""
-    plan = results["plan"]
-    machine = results["machine"]
-    versions = results["versions"]
-    tf_keras = results["tf_keras"]
-    lines = [
-        "# tf_diffmap benchmarks",
-        "",
-        f"Run {results['created']}, preset `{plan['name']}`, {plan['repeats']} repeat(s), "
-        f"{results['seconds'] / 60:.1f} min in all. Command: `{results['command']}`",
-        "",
-        f"- Machine: {machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
-        f"{machine.get('memory_gib')} GiB, {machine.get('platform')}; load average "
-        f"{_load(machine.get('load_average_start'))} at the start, "
-        f"{_load(machine.get('load_average_end'))} at the end (the host is shared).",
-        f"- TensorFlow {versions.get('tensorflow')}, {versions.get('keras')}; "
-        + (
-            f"CentralStorageStrategy under {versions.get('tf_keras')} "
-            f"(`{tf_keras.get('python')}`, `TF_USE_LEGACY_KERAS=1`)."
-            if tf_keras.get("available") and versions.get("tf_keras")
-            else f"CentralStorageStrategy **not run**: {tf_keras.get('reason')}."
-        ),
-        "",
-    ]
-    workloads = plan.get("workloads", ("throughput", "straggler", "accuracy"))
-    if set(workloads) & {"throughput", "straggler", "accuracy"}:
-        lines += _timed_sections(results)
-    if "control" in workloads:
-        lines += _control_section(results)
-    if "cluster" in workloads:
-        lines += _cluster_section(results)
-    if "fault_timeline" in workloads:
-        lines += _fault_timeline_section(results)
-    if "embeddings" in workloads:
-        lines += embeddings.section(results)
-        lines += _targets_table(results, [t[0] for t in embeddings.TARGETS]) + [""]
-    if "convergence" in workloads:
-        lines += _convergence_section(results)
-    if results.get("figures"):
-        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in results["figures"]] + [""]
-    if results["errors"]:
-        lines += ["## Errors", ""]
-        for e in results["errors"]:
-            lines.append(
-                f"- round {e['round']}, {e['contender']} on {e['replicas']} device(s)"
-                f"{', task ' + e['task'] if e['task'] else ''}: {e['error']}"
-            )
-        lines.append("")
+def render(table: dict[str, Any]) -> str:
+    """A table as Markdown: its title, the columns, one line per row, then its notes."""
+    columns, formats = table["columns"], table["formats"]
+    lines = [f"## {table['title']}", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + " --- |" * len(columns))
+    for row in table["rows"]:
+        lines.append("| " + " | ".join(cell(row.get(c), formats.get(c)) for c in columns) + " |")
+    if not table["rows"]:
+        lines.append("| (no rows) |" + " |" * (len(columns) - 1))
+    lines += [""] + [f"- {note}" for note in table["notes"]] + [""] * bool(table["notes"])
     return "\n".join(lines)
 
 
-def _devices_text(results) -> str:
-    machine = results["machine"]
+EPS, RATIO, SHARE = "{:,.0f}", "{:.2f}x", "{:.1%}"
+THROUGHPUT = [
+    ("Model", "model", None),
+    ("Input", "input", None),
+    ("Replicas", "replicas", None),
+    ("Contender", "label", None),
+    ("examples/s", "examples_per_second", EPS),
+    ("/ MirroredStrategy", "vs_mirrored", RATIO),
+]
+STRAGGLER = [
+    ("Replicas", "replicas", None),
+    ("Contender", "label", None),
+    ("k", "slowdown", None),
+    ("delay, s", "delay_seconds", "{:.4f}"),
+    ("examples/s", "examples_per_second", EPS),
+    ("s/epoch", "median_epoch_seconds", "{:.2f}"),
+    ("kept (of k=1)", "retention", "{:.0%}"),
+    ("replica 0 share", "replica0_share", SHARE),
+]
+POINTS = [
+    ("Replicas", "replicas", None),
+    ("CPU per point, ms", "point_cpu_ms_median", "{:.3f}"),
+    ("p90, ms", "point_cpu_ms_p90", "{:.3f}"),
+    ("batch, ms", "ms_per_batch", "{:.1f}"),
+    ("fit, snapshots only", "snapshots_overhead", "{:+.1%}"),
+    ("fit, every point", "every_point_overhead", "{:+.1%}"),
+    ("fit, default budget", "budget_overhead", "{:+.1%}"),
+    ("points at the default budget", "budget_points", "{:,.0f}"),
+    ("batches per fit", "batches_per_fit", None),
+]
+MEMORY = [
+    ("Contender", "label", None),
+    ("Replicas", "replicas", None),
+    ("after the MLP throughput task", "peak_rss_mb_mlp", EPS),
+    ("whole session", "peak_rss_mb_session", EPS),
+]
+CONTROL = [
+    ("Contender", "label", None),
+    ("steps_per_loop", "steps_per_loop", None),
+    ("steps_per_execution", "steps_per_execution", None),
+    ("updates per step", "updates_per_step", None),
+    ("updates/s", "updates_per_second", EPS),
+    ("CPU µs per update", "cpu_us_per_update", EPS),
+]
+CLUSTER = [
+    ("Contender", "label", None),
+    ("devices", "devices", None),
+    ("examples/s", "examples_per_second", EPS),
+    ("replica ms per update", "median_replica_ms_per_update", "{:.2f}"),
+    ("replica time from", "replica_time_source", None),
+    ("CPU ms per update", "cpu_ms_per_update", "{:.2f}"),
+    ("CPU ms per 1,000 examples", "cpu_ms_per_1000_examples", "{:.2f}"),
+    ("processes", "cpu_processes", None),
+    ("mean staleness", "mean_staleness", "{:.2f}"),
+]
+EMBEDDINGS = [
+    ("Optimizer", "optimizer", None),
+    ("Rows", "rows", None),
+    ("MB", "table_mb", "{:.1f}"),
+    ("Contender", "contender", None),
+    ("examples/s", "examples_per_second", EPS),
+    ("CPU s / 1k ex.", "cpu_seconds_per_1000_examples", "{:.3f}"),
+    ("val. accuracy", "val_accuracy", "{:.3f}"),
+    ("best val. accuracy", "best_val_accuracy", "{:.3f}"),
+    ("mean staleness", "mean_staleness", "{:.2f}"),
+]
+EMBEDDINGS_CLUSTER = [
+    ("Optimizer", "optimizer", None),
+    ("Contender", "contender", None),
+    ("examples/s", "examples_per_second", EPS),
+    ("CPU s / 1k ex.", "cpu_seconds_per_1000_examples", "{:.3f}"),
+    ("KB sent / update", "kb_sent_per_update", EPS),
+    ("table shards", "shards", None),
+]
+
+
+def _targets_table(results) -> dict[str, Any]:
+    verdicts = {True: "met", False: "missed", None: "not measured"}
+    rows = [
+        {
+            "Target": t["description"],
+            "Measured": None if t["measured"] is None else f"{t['measured']:.2f}{t['unit']}",
+            "Threshold": f"{'≥' if t['comparison'] == '>=' else '≤'} {t['target']:.3g}{t['unit']}",
+            "Result": verdicts[t["met"]],
+            "Note": t["note"],
+        }
+        for t in results["targets"]
+    ]
+    return _table("Targets", ["Target", "Measured", "Threshold", "Result", "Note"], rows)
+
+
+def _run_table(results) -> dict[str, Any]:
+    plan, machine, versions = results["plan"], results["machine"], results["versions"]
+    tf_keras = results["tf_keras"]
+
+    def load(values):
+        return "/".join(f"{v:.1f}" for v in values) if values else "–"
+
+    devices = f"logical CPU devices of one {machine.get('logical_cpus')}-CPU host"
     if machine.get("device") == "gpu":
-        gpus = machine.get("gpus") or 0
-        return (
-            f"GPUs ({gpus} on this host: one per replica, or logical GPUs of "
-            f"{machine.get('gpu_memory_mb')} MiB sliced from GPU 0 when there are fewer "
-            "GPUs than replicas)"
+        devices = (
+            f"GPUs ({machine.get('gpus')}: one per replica, or logical GPUs of "
+            f"{machine.get('gpu_memory_mb')} MiB of GPU 0 when fewer than the replicas)"
         )
-    return f"logical CPU devices of one {machine.get('logical_cpus')}-CPU host"
-
-
-def _control_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("control") or []
-    spes = list(plan["control_steps_per_execution"])
-    head = ["Contender", "Replicas"] + [f"steps_per_execution={n}" for n in spes]
-    lines = [
-        "## Control path (updates/s; plain Keras: steps/s)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" for _ in head) + " |",
-    ]
-    keys = dict.fromkeys((r["contender"], r["steps_per_loop"]) for r in rows)
-    for contender, k in keys:
-        cells = []
-        for spe in spes:
-            row = _find(rows, contender=contender, steps_per_loop=k, steps_per_execution=spe)
-            cpu = (row.get("cpu_us_per_update") or {}).get("median") if row else None
-            cpu_text = "" if cpu is None else f"; {cpu:.0f} µs CPU per update"
-            cells.append(_cell(row["updates_per_second"]) + cpu_text if row else "–")
-        first = _find(rows, contender=contender, steps_per_loop=k)
-        name = first["label"] + (f", steps_per_loop={k}" if k is not None else "")
-        if k == DEFAULT_STEPS_PER_LOOP:
-            name += " (default)"
-        lines.append(f"| {name} | {first['updates_per_step']} | " + " | ".join(cells) + " |")
-    if not rows:
-        lines.append("| (not run) |")
-    lines += [
-        "",
-        *_targets_table(results, CONTROL_TARGETS),
-        "",
-        f"A `Dense(1)` on 8 inputs (MSE, SGD {plan['control_learning_rate']:g}), global batch "
-        f"{plan['control_batch_size']}, a repeated `tf.data` input with steps_per_epoch="
-        f"{plan['control_steps_per_epoch']}: a step costs almost nothing, so what is measured "
-        f"is the control path. Plain Keras on one device; tf_diffmap on "
-        f"{plan['control_replicas']} {_devices_text(results)}, each Keras step giving "
-        f"{plan['control_replicas']} updates (shards of "
-        f"{plan['control_batch_size'] // plan['control_replicas']} examples). Figures: Keras "
-        "steps per median epoch time, times the updates per step; medians of the runs "
-        "(min–max in brackets). CPU per update: the worker process's CPU time over the "
-        "timed window (both cores), over the updates applied in it.",
-        "",
-    ]
-    floor = results.get("control_floor") or []
-    if floor:
-        lines += [
-            "| Against the floor (a reference, not a target) | Measured | Caps the target |",
-            "| --- | --- | --- |",
-            *(f"| {r['description']} | {_ratio_text(r)} | {_caps_text(r)} |" for r in floor),
-            "",
-            "The floor (`benchmarks.floor.QueueLoops`) is the least an asynchronous step of "
-            "this shape costs in TensorFlow's own runtime under Keras' own `fit`: a Keras "
-            "model whose train step only cuts its batch into one shard per device and "
-            "queues them (one `enqueue_many`), and one bare `tf.while_loop` per device, on "
-            f"tf_diffmap's {plan['control_replicas']} devices, that takes up to 32 shards a "
-            "call and applies each as SGD on the `Dense(1)`: the gradient where "
-            "tf_diffmap's replica on the loop's device computes by default (the host's "
-            "`CPU:0` for a logical CPU device), the update beside the parameters (on the "
-            "first device, where tf_diffmap's store is). It has no version counter, no "
-            "staleness or statistics, no count of what is in flight, no outputs, no first "
-            "step, no failure handling, and no Keras in an update (a hand-written gradient "
-            "and two `assign_sub`, where a tf_diffmap update runs Keras' train step). A "
-            "ratio of the floor to plain Keras is what the target beside it would read if "
-            "tf_diffmap cost no more than the floor: below the target, no asynchronous step "
-            "of this shape meets it on this host. The Keras-step floor is the same loops "
-            "with each shard applied by Keras' own train step (`model.train_step`: the "
-            "forward and backward pass, the loss metric and SGD, placed as the floor's "
-            "gradient, the variables on the first device), as a tf_diffmap update runs "
-            "it, and none of "
-            "tf_diffmap's bookkeeping: its ratio to plain Keras is what the target would "
-            "read if tf_diffmap's own work in an update cost nothing.",
-            "",
-        ]
-    return lines
-
-
-def _ratio_text(row) -> str:
-    return "n/a" if row["measured"] is None else f"{row['measured']:.2f}x"
-
-
-def _cluster_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("cluster") or []
-    lines = [
-        f"## Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief "
-        "on localhost",
-        "",
-        "| Contender | Replicas (devices) | examples/s | replica ms per update "
-        "| CPU ms per update | CPU ms per 1,000 examples | mean staleness |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        devices = row["devices"] or []
-        staleness = row["mean_staleness"]
-        lines.append(
-            f"| {row['label']} | {len(devices)} ({', '.join(_short(d) for d in devices)}) "
-            f"| {_cell(row['examples_per_second'])} | {_cell(row['replica_ms_per_update'], 2)} "
-            f"| {_cpu_cell(row, 'cpu_ms_per_update')} "
-            f"| {_cpu_cell(row, 'cpu_ms_per_1000_examples')} "
-            f"| {_num(staleness, 2) if staleness is not None else '–'} |"
-        )
-    if not rows:
-        lines.append("| (not run) | | | | | | |")
-    kind = MODELS[plan["cluster_model"]]["description"]
-    lines += ["", *_targets_table(results, CLUSTER_TARGETS), ""]
-    floor = results.get("cluster_floor") or []
-    if floor:
-        lines += [
-            "| Against the floor (a reference, not a target) | Measured | Global batches "
-            "| Caps the target |",
-            "| --- | --- | --- | --- |",
-            *(
-                f"| {r['description']} | {_ratio_text(r)} "
-                f"| {r['batch_sizes'][0]} / {r['batch_sizes'][1]} | {_caps_text(r)} |"
-                for r in floor
-            ),
-            "",
-            "The floor (`benchmarks.floor`) is the least an asynchronous parameter-server "
-            "loop costs in TensorFlow's own runtime on a cluster of the same shape: the "
-            "parameters and Adam's slots on the ps task, each worker one `tf.function` "
-            "whose `tf.while_loop` computes the gradient of a fixed batch of "
-            "`batch / workers` examples on the worker and applies Adam beside the "
-            "parameters, the workers' calls at once. It has no input pipeline (a fixed "
-            "batch per worker), no Keras, no metrics and no staleness accounting. A ratio "
-            "of the floor to another contender is what the target beside it would read "
-            "if tf_diffmap cost no more than the floor: below the target, no asynchronous "
-            "parameter-server loop of this shape meets it on this host.",
-            "",
-        ]
-    lines += [
-        f"{kind} on digits-shaped random data, global batch {plan['cluster_batch_size']}"
-        + (
-            f" (and {plan['cluster_batch_size'] * plan['cluster_workers']} for tf_diffmap on "
-            "the cluster and the floor: a ParameterServerStrategy step trains a whole batch "
-            "on one worker, a tf_diffmap step splits its batch over the replicas, one update "
-            "each, as the floor's workers do; at "
-            f"{plan['cluster_batch_size'] * plan['cluster_workers']} an update trains as many "
-            "examples as a ParameterServerStrategy step)"
-            if plan.get("cluster_update_batch_row")
-            else ""
-        )
-        + f", Adam {plan['learning_rate']:g}, a repeated `tf.data` input with steps_per_epoch "
-        f"({plan['cluster_examples_per_epoch']:,} examples an epoch). tf_diffmap on "
-        f"`LocalCluster(workers={plan['cluster_workers']}, ps={plan['cluster_ps']})` (one "
-        "replica per worker task, the store on the ps task, each worker building its own "
-        "input pipeline, the chief queuing tokens); the same replicas in one process "
-        f"(`Strategy` on {plan['cluster_workers']} logical CPU devices); tf-keras' "
-        "`ParameterServerStrategy` with `model.fit` (its `ClusterCoordinator`) on plain "
-        "`tf.distribute.Server`s of the same shape (`benchmarks.servers`). Every server "
-        "runs on the host's CPUs (GPUs hidden), whatever `--device` says: two worker "
-        "processes of one host would otherwise each take every GPU. Replica ms per update: "
-        "the wall time of the timed `fit` over the updates the replica applied in it (its "
-        "whole cycle: waiting for a shard, the store and gRPC included), median over "
-        "replicas; for ParameterServerStrategy, which counts no per-worker steps, the `fit` "
-        "time over the steps times the workers (an even spread assumed); for the floor, "
-        "which has no `fit`, the wall time of its timed window (epochs of the same "
-        "examples, each a call of every worker's loop) over a worker's updates. CPU: "
-        "the user and system CPU time of every process the contender trains in (this "
-        "process and, on a cluster, each server's), read from `/proc` before and after the "
-        "timed window, over the updates applied in it (a ParameterServerStrategy step is "
-        "one update) and over the examples trained in it: what the work costs the host, "
-        "whichever process or core spends it, and steadier than examples/s on a shared "
-        "host.",
-        "",
-    ]
-    return lines
-
-
-def _cpu_cell(row, key: str) -> str:
-    """A CPU figure with the processes it sums (`–` where none was read)."""
-    if row.get(key) is None or row[key].get("median") is None:
-        return "–"
-    return f"{_cell(row[key], 2)} ({_processes(row['cpu_processes'])})"
-
-
-def _processes(count: int) -> str:
-    return f"{count} process{'es' if count != 1 else ''}"
-
-
-def _fault_timeline_section(results) -> list[str]:
-    plan = results["plan"]
-    rows = results.get("fault_timeline") or []
-    workers, killed = plan["fault_workers"], plan["fault_worker"]
-    lines = [
-        f"## Fault timeline: {workers} workers + {plan['fault_ps']} ps + chief on localhost, "
-        f"worker {killed} killed and restarted",
-        "",
-    ]
-    if not rows:
-        return lines + ["(not run)", ""]
-    row = rows[0]
-    names = [_short(d) for d in row["devices"]]
-    processes = [n for n in row["windows"]["before"]["cpu_cores"] if n != "host"]
-    lines += [
-        "| Window | examples/s | of the rate before | slowest bin | "
-        + " | ".join(f"{n} examples/s" for n in names)
-        + " | CPU cores: "
-        + ", ".join(processes)
-        + " |",
-        "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
-    ]
-    shares = {
-        "before": None,
-        "outage": row["outage_share"],
-        "restarting": row["restarting_share"],
-        "after": row["after_share"],
+    rows = {
+        "run": f"{results['created']}, preset `{plan['name']}`, {plan['repeats']} repeat(s), "
+        f"{results['seconds'] / 60:.1f} min",
+        "command": f"`{results['command']}`",
+        "machine": f"{machine.get('cpu')}, {machine.get('logical_cpus')} logical CPUs, "
+        f"{machine.get('memory_gib')} GiB, {machine.get('platform')}",
+        "load average, start; end": f"{load(machine.get('load_average_start'))}; "
+        f"{load(machine.get('load_average_end'))}",
+        "replicas": devices,
+        "TensorFlow, Keras": f"{versions.get('tensorflow')}, {versions.get('keras')}",
+        "tf-keras": f"{versions.get('tf_keras')} (`{tf_keras.get('python')}`)"
+        if tf_keras.get("available")
+        else f"not run: {tf_keras.get('reason')}",
+        "MirroredStrategy's cross-device ops": "collective all-reduce"
+        if results["mirrored_reduce"] == "collective"
+        else "ReductionToOneDevice",
+        "inter-op threads": results.get("inter_op_threads") or "TensorFlow's default",
     }
-    spans = {
-        "before": f"{plan['fault_warmup_seconds']:g} s to the kill",
-        "outage": "kill to restart",
-        "restarting": "restart to rejoin",
-        "after": f"{plan['fault_settle_seconds']:g} s after the rejoin to the end",
-    }
-    for name in FAULT_WINDOWS:
-        w = row["windows"][name]
-        share = shares[name]
-        cpu = w["cpu_cores"]
-        lines.append(
-            f"| {name} ({spans[name]}) | {_cell(w['examples_per_second'])} | "
-            + (
-                "–"
-                if share is None
-                else "n/a"
-                if share["median"] is None
-                else f"{share['median']:.2f}x"
-                + (f" ({share['min']:.2f}–{share['max']:.2f})" if len(share["values"]) > 1 else "")
-            )
-            + f" | {_num(w['min_examples_per_second']['median'])} | "
-            + " | ".join(_num(v) for v in w["replica_examples_per_second"])
-            + ("" if w["replica_examples_per_second"] else " | ".join("n/a" for _ in names))
-            + " | "
-            + ", ".join(_num(cpu.get(n), 2) for n in processes)
-            + " |"
+    if set(plan["workloads"]) & {"throughput", "straggler", "accuracy"}:
+        rows["global batch, Adam's learning rate"] = (
+            f"{plan['batch_size']}, {plan['learning_rate']:g}"
         )
-    lines += ["", "| Delay (median over the runs where it happened) | seconds |", "| --- | --- |"]
-    for key, text in FAULT_DELAYS:
-        lines.append(f"| {text} | {_cell(row['delays'][key], 2)} |")
-    source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
-    lines += [
-        "",
-        *_targets_table(results, FAULT_TARGETS),
-        "",
-        f"{MODELS[plan['cluster_model']]['description']} on digits-shaped random data, "
-        f"global batch {plan['cluster_batch_size']}, Adam {plan['learning_rate']:g}, on "
-        f"`LocalCluster(workers={workers}, ps={plan['fault_ps']})` (one replica per worker "
-        f"task), input: {source}. One `fit` runs for {row['seconds']:g} s of wall time; "
-        f"worker {killed}'s process is killed (SIGKILL) at {row['kill_at']:g} s and "
-        f"started again at its address at {row['restart_at']:g} s. A thread reads "
-        "`strategy.statistics()` (examples per replica) and `replica_states()` every "
-        f"{plan['fault_sample_seconds']:g} s, and the CPU time of each process from "
-        f"`/proc`; rates are per {plan['fault_bin_seconds']:g}-s bin of wall time, each "
-        "window's figure the mean of its bins, then the median over "
-        f"{row['runs']} run(s) (min–max in brackets). CPU cores: CPU seconds per second "
-        "of each process in the window (`other processes`: the rest of the host, which "
-        "is shared). The restarted worker rejoined in "
-        f"{row['rejoined_runs']} of {row['runs']} run(s) and applied updates after its "
-        f"rejoin in {row['trained_after_rejoin_runs']}; its replica was marked lost "
-        f"{', '.join(str(n) for n in row['times_lost'])} time(s) in each run (the kill "
-        "itself once, then once per failed rejoin). The new server used "
-        f"{_num(row['restart_cpu_seconds']['median'], 1)} CPU seconds until it served.",
-        "",
+        rows["timed window"] = (
+            f"≥ {plan['min_epochs']} epochs and ≥ {plan['min_seconds']:g} s after a warm-up fit"
+        )
+        rows["examples per epoch"] = ", ".join(
+            f"{n:,} ({m.upper()})"
+            for m, n in plan["examples_per_epoch"].items()
+            if m in plan["models"] or m == plan["straggler_model"]
+        )
+    for replicas, entry in results["calibration"].items():
+        delays = ", ".join(
+            f"k={k}: {1000 * d:.1f} ms"
+            for k, d in (entry.get("delays") or {}).items()
+            if int(k) > 1
+        )
+        rows[f"straggler t, {replicas} replicas"] = (
+            f"{1000 * entry['step_seconds']:.1f} ms ({delays}; {entry['source']})"
+            if "step_seconds" in entry
+            else f"not calibrated: {entry.get('error')}"
+        )
+    return _table(
+        "Run", ["Setting", "Value"], [{"Setting": k, "Value": v} for k, v in rows.items()]
+    )
+
+
+def _accuracy_table(results) -> dict[str, Any]:
+    rows = results["accuracy"]
+    targets = list(rows[0]["seconds_to"]) if rows else []
+    shown = []
+    for r in rows:
+        row = {
+            **r,
+            "rule": f"drop (> {r['drop_above']})" if r["rule"] == "drop" else r["rule"],
+            "straggler": f"replica 0 ×{results['plan']['accuracy_slowdown']}"
+            if r["straggler"]
+            else "none",
+        }
+        for t in targets:
+            seconds, reached = r["seconds_to"][t], f"{r['reached'][t]}/{r['runs']}"
+            row[f"s_{t}"] = seconds if seconds is not None else f"not reached ({reached} runs did)"
+            row[f"epochs_{t}"] = r["epochs_to"][t]
+        shown.append(row)
+    spec = [("Contender", "label", None), ("Replicas", "replicas", None)]
+    spec += [("Rule", "rule", None), ("Straggler", "straggler", None)]
+    spec += [(f"s to {float(t):.0%}", f"s_{t}", "{:.2f}") for t in targets]
+    spec += [(f"epochs to {float(t):.0%}", f"epochs_{t}", "{:.0f}") for t in targets[-1:]]
+    spec += [
+        ("final accuracy", "final_accuracy", "{:.4f}"),
+        ("mean staleness", "mean_staleness", "{:.2f}"),
+        ("max staleness", "max_staleness", None),
+        ("dropped", "dropped_fraction", SHARE),
+        ("replica 0 share", "replica0_share", SHARE),
+        ("train s", "train_seconds", "{:.1f}"),
     ]
-    errors = [_root_line(e) for e in row["replica_errors"] if e]
-    if errors:
-        counts = {e: errors.count(e) for e in dict.fromkeys(errors)}
-        lines += [
-            "The error that last made the killed worker's replica lost: "
-            + "; ".join(f"`{e}` ({n} of {row['runs']} runs)" for e, n in counts.items()),
-            "",
-        ]
-    return lines
+    title = f"Time to accuracy (digits, {results['plan']['accuracy_epochs']} epochs)"
+    return _layout(title, shown, spec)
+
+
+def _short(device: str) -> str:
+    """`/job:worker/replica:0/task:1/device:CPU:0` as `worker 1 CPU:0`."""
+    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
+    where = f"{parts['job']} {parts.get('task', 0)} " if "job" in parts else ""
+    return where + parts.get("device", device)
 
 
 def _root_line(error: str) -> str:
@@ -1708,207 +909,284 @@ def _root_line(error: str) -> str:
     return lines[0][:300] if lines else ""
 
 
-def fault_timeline_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: each window's rate, the rejoin, the targets."""
-    lines = []
-    for row in results.get("fault_timeline") or []:
-        w = row["windows"]
-        lines.append(
-            "fault timeline: examples/s before "
-            f"{_num(w['before']['examples_per_second']['median'])}, while a worker is down "
-            f"{_num(w['outage']['examples_per_second']['median'])}, after the rejoin "
-            f"{_num(w['after']['examples_per_second']['median'])}; restart to rejoin "
-            f"{_num(row['delays']['seconds_restart_to_rejoin']['median'], 1)} s "
-            f"(rejoined in {row['rejoined_runs']} of {row['runs']} runs)"
-        )
-    return lines + target_lines(results, FAULT_TARGETS)
-
-
-def _short(device: str) -> str:
-    """`/job:worker/replica:0/task:1/device:CPU:0` as `worker 1 CPU:0`."""
-    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if ":" in p)
-    where = f"{parts['job']} {parts.get('task', 0)} " if "job" in parts else ""
-    return where + parts.get("device", device)
-
-
-def control_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: the control path's rates, its two targets, and
-    the ratios with the floor."""
-    rows = results.get("control") or []
-    lines = []
-    for row in rows:
-        k = row["steps_per_loop"]
-        unit = "updates/s" if row["contender"] != "plain_keras" else "steps/s"
-        lines.append(
-            f"control: {row['label']}"
-            + (f" steps_per_loop={k}" if k is not None else "")
-            + f", steps_per_execution={row['steps_per_execution']}: "
-            f"{_num(row['updates_per_second']['median'], 0)} {unit}"
-        )
-    floor = _floor_lines(results.get("control_floor"))
-    return lines + target_lines(results, CONTROL_TARGETS) + floor
-
-
-def cluster_summary(results: dict[str, Any]) -> list[str]:
-    """Lines the suite prints: examples/s, replica time per update, the targets,
-    and the ratios with the floor."""
-    lines = [
-        f"cluster: {row['label']}: {_num(row['examples_per_second']['median'], 0)} examples/s, "
-        f"{_num(row['replica_ms_per_update']['median'], 2)} ms per update per replica "
-        f"({row['replica_time_source']})"
-        + (
-            f"; {_num(row['cpu_ms_per_update']['median'], 2)} ms of CPU per update "
-            f"({_processes(row['cpu_processes'])})"
-            if row.get("cpu_ms_per_update", {}).get("median") is not None
-            else ""
-        )
-        for row in results.get("cluster") or []
-    ]
-    floor = _floor_lines(results.get("cluster_floor"))
-    return lines + target_lines(results, CLUSTER_TARGETS) + floor
-
-
-def _floor_lines(rows) -> list[str]:
-    """The suite's lines for a workload's ratios with its floor."""
-    return [
-        f"  against the floor: {r['description']}: {_ratio_text(r)}"
-        + (f"; caps {_caps_text(r, markdown=False)}" if r["caps"] else "")
-        for r in rows or []
-    ]
-
-
-def target_lines(results, keys) -> list[str]:
-    lines = []
-    for t in results["targets"]:
-        if t["key"] in keys:
-            unit = t.get("unit", "x")
-            measured = "n/a" if t["measured"] is None else f"{t['measured']:.2f}{unit}"
-            verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
-            lines.append(
-                f"  {t['description']}: {measured} (target {t['comparison']} "
-                f"{t['target']:.3g}{unit}): {verdict}"
-            )
-    return lines
-
-
-def _convergence_section(results) -> list[str]:
+def _fault_tables(results) -> list[dict[str, Any]]:
     plan = results["plan"]
-    devices = plan["convergence_devices"]
-    seeds = len(plan["convergence_seeds"])
-    lines = [
-        "## Convergence: final accuracy on digits, where staleness is real",
-        "",
-        f"Every replica sleeps {1000 * plan['convergence_device_seconds']:g} ms in each "
-        "training step, as it would wait on its own accelerator, using no CPU (TensorFlow's "
-        f"inter-op pool has {plan['convergence_inter_op_threads']} threads for the sleepers): "
-        "without it, replicas on a 2-core host run nearly back to back and staleness stays "
-        f"near 1. tf_diffmap on {devices} logical CPU devices against MirroredStrategy on the "
-        "same devices (sync: the mean gradient of the global batch, which does not depend on "
-        "the replica count, so it is both regimes' reference). Digits (1,437 training and 360 "
-        f"validation images), {plan['convergence_epochs']} epochs; validation accuracy after "
-        f"the last epoch, median of {seeds} seeds (min–max), then the measured mean staleness "
-        "(median over the seeds) / the largest. Bold: below 0.5 (chance is 0.1). A row whose "
-        "default rule's mean staleness falls short of its regime's floor is invalid, never "
-        "met. `momentum` applies to SGD with momentum only; `drop` drops updates staler than "
-        "twice N - 1 for N replicas.",
-        "",
-    ]
-    for regime, per_device, floor in plan["convergence_regimes"]:
-        replicas = devices * per_device
-        lines += [
-            f"### {regime.capitalize()} staleness: {replicas} replicas "
-            f"({devices} devices x {per_device}); floor: mean staleness {floor:g}",
-            "",
-            *_convergence_table(results, regime, per_device, floor),
-            "",
-        ]
-    models = workloads.CONVERGENCE_MODELS
-    lines += [
-        "Models: "
-        + "; ".join(
-            f"`{name}` {spec['description']}, global batch {spec['batch_size']}"
-            for name, spec in models.items()
-        )
-        + ".",
-        "",
-    ]
-    return lines
-
-
-def _timed_sections(results) -> list[str]:
-    plan = results["plan"]
-    calibration = results["calibration"]
-    return [
-        f"- Replicas are {_devices_text(results)} "
-        "(`tf_diffmap.split_devices`); plain Keras uses one device. Same data, model, "
-        f"global batch size ({plan['batch_size']}), optimizer (Adam {plan['learning_rate']:g}) "
-        "and devices for every contender; MirroredStrategy with "
-        + (
-            "its default collective all-reduce."
-            if results["mirrored_reduce"] == "collective"
-            else "`cross_device_ops=tf.distribute.ReductionToOneDevice()` (faster here than "
-            "its default collective all-reduce on CPUs)."
-        ),
-        f"- Each contender configuration runs in its own process; the contenders alternate "
-        f"round by round; figures are medians of {plan['repeats']} runs (min–max in "
-        "brackets). A timed window follows a warm-up `fit` that traces the step and lasts "
-        f"at least {plan['min_epochs']} epochs and {plan['min_seconds']:g} s; an epoch is "
-        + ", ".join(
-            f"{n:,} examples ({m.upper()})"
-            for m, n in plan["examples_per_epoch"].items()
-            if m in plan["models"] or m == plan["straggler_model"]
-        )
-        + ", and its time includes the drain at its end.",
-        "- Straggler: replica 0 sleeps (k-1)·t in each training step "
-        "(`tf_diffmap.testing.ReplicaDelay`, keyed on the replica id, so the same replica "
-        "sleeps the same time under every contender), with t the time of one "
-        "MirroredStrategy step without a straggler: "
-        + "; ".join(_calibration_text(n, c) for n, c in calibration.items())
-        + ".",
-        "",
-        "## Targets",
-        "",
-        *_targets_table(results),
-        "",
-        "## Throughput (examples/s, no straggler)",
-        "",
-        *_throughput_table(results),
-        "",
-        "## Straggler (replica 0 k times slower)",
-        "",
-        *_straggler_table(results),
-        "",
-        "Kept: throughput at the largest k over the same contender's k=1 (same model, delay "
-        "layer set to 0 s). Replica 0 share: its fraction of the updates (tf_diffmap only).",
-        "",
-        f"## Time to accuracy (digits, {plan['accuracy_epochs']} epochs)",
-        "",
-        *_accuracy_table(results),
-        "",
-        "Seconds of training (the clock stops while the callback measures) until the "
-        "validation accuracy at an epoch's end first reaches the target; medians over runs, "
-        "a run that never reached it counting as slowest. Staleness: versions applied by "
-        "others between a replica's read and its update.",
-        "",
-        *_points_section(results),
-        "## Peak memory (RSS, MiB, per process)",
-        "",
-        *_memory_table(results),
-        "",
-        "After the MLP throughput task / at the end of the session (which ran more tasks). "
-        "TensorFlow itself takes most of it.",
-        "",
-    ]
-
-
-def _load(values) -> str:
-    return "/".join(f"{v:.1f}" for v in values) if values else "n/a"
-
-
-def _calibration_text(replicas, entry) -> str:
-    if "step_seconds" not in entry:
-        return f"{replicas} replicas: not calibrated ({entry.get('error')})"
-    delays = ", ".join(
-        f"k={k}: {1000 * d:.0f} ms" for k, d in entry["delays"].items() if int(k) > 1
+    title = (
+        f"Fault timeline: {plan['fault_workers']} workers + {plan['fault_ps']} ps + chief on "
+        f"localhost, worker {plan['fault_worker']} killed and restarted"
     )
-    return f"{replicas} replicas t = {1000 * entry['step_seconds']:.1f} ms ({delays})"
+    if not results["fault_timeline"]:
+        return [_table(title, ["Window"], [])]
+    row = results["fault_timeline"][0]
+    spans = {
+        "before": f"{plan['fault_warmup_seconds']:g} s to the kill",
+        "outage": "kill to restart",
+        "restarting": "restart to rejoin",
+        "after": f"{plan['fault_settle_seconds']:g} s after the rejoin to the end",
+    }
+    windows = [
+        {
+            "Window": f"{name} ({spans[name]})",
+            "examples/s": w["examples_per_second"],
+            "of the rate before": row.get(f"{name}_share"),
+            "slowest bin": w["min_examples_per_second"],
+            "per worker, examples/s": " / ".join(
+                cell(v, EPS) for v in w["replica_examples_per_second"]
+            ),
+            "CPU cores per process": ", ".join(
+                f"{n} {cell(v, '{:.2f}')}" for n, v in w["cpu_cores"].items() if n != "host"
+            ),
+        }
+        for name, w in row["windows"].items()
+    ]
+    runs = row["runs"]
+    facts = [{"What": text, "Value": row["delays"][key]} for key, text in FAULT_DELAYS]
+    facts += [
+        {"What": "runs where the worker rejoined", "Value": f"{row['rejoined_runs']} of {runs}"},
+        {
+            "What": "runs where it applied updates after its rejoin",
+            "Value": f"{row['trained_after_rejoin_runs']} of {runs}",
+        },
+        {
+            "What": "times its replica was marked lost, per run",
+            "Value": ", ".join(map(str, row["times_lost"])),
+        },
+        {
+            "What": "CPU seconds of the new server until it served",
+            "Value": row["restart_cpu_seconds"],
+        },
+    ]
+    errors = [_root_line(e) for e in row["replica_errors"] if e]
+    notes = [
+        f"the error that last made the killed worker's replica lost: `{e}` "
+        f"({errors.count(e)} of {runs} runs)"
+        for e in dict.fromkeys(errors)
+    ]
+    notes += [f"script error: {e}" for e in row["script_errors"]]
+    source = "NumPy arrays" if row["input"] == "numpy" else "a repeated tf.data.Dataset"
+    setting = (
+        f"{workloads.MODELS[plan['cluster_model']]['description']}, global batch "
+        f"{plan['cluster_batch_size']}, input: {source}; fit of {plan['fault_seconds']:g} s, "
+        f"kill at {plan['fault_kill_at']:g} s, restart at {plan['fault_restart_at']:g} s; "
+        f"{plan['fault_bin_seconds']:g}-s bins; {runs} run(s)"
+    )
+    window_columns = list(windows[0])
+    formats = {"examples/s": EPS, "of the rate before": RATIO, "slowest bin": EPS}
+    return [
+        _table(title, window_columns, windows, formats, [setting]),
+        _table(
+            "Fault timeline: the worker's return",
+            ["What", "Value"],
+            facts,
+            {"Value": "{:.2f}"},
+            notes,
+        ),
+    ]
+
+
+def _embedding_tables(results) -> list[dict[str, Any]]:
+    plan, rows = results["plan"], results["embeddings"]
+    on_cluster = plan.get("embedding_cluster_contenders", ())
+    small, large = min(plan["embedding_rows"]), max(plan["embedding_rows"])
+    scaling = [
+        {
+            "Optimizer": o,
+            **{
+                c: _ratio(
+                    _rate(rows, contender=c, rows=large, optimizer=o),
+                    _rate(rows, contender=c, rows=small, optimizer=o),
+                )
+                for c in plan["embedding_contenders"]
+            },
+        }
+        for o in plan["embedding_optimizers"]
+    ]
+    cluster = [
+        {
+            **r,
+            "kb_sent_per_update": r["bytes_sent_per_update"] and r["bytes_sent_per_update"] / 1024,
+            "shards": ", ".join(
+                f"{shape[0]:,} rows on {device.split('/device')[0]}"
+                for device, shape in r["table_shards"] or []
+            ),
+        }
+        for r in rows
+        if r["contender"] in on_cluster
+    ]
+    setting = (
+        f"{plan['embedding_replicas']} replicas for tf_diffmap, batch "
+        f"{plan['embedding_batch_size']}, {plan['embedding_examples_per_epoch']:,} examples an "
+        f"epoch, {plan['embedding_epochs']} epochs (the first not timed)"
+    )
+    out = [
+        _layout(
+            "Embeddings: cost per update against table size",
+            [r for r in rows if r["contender"] not in on_cluster],
+            EMBEDDINGS,
+            [setting],
+        ),
+        _table(
+            f"Embeddings: examples/s at {large:,} rows / at {small:,}",
+            ["Optimizer", *plan["embedding_contenders"]],
+            scaling,
+            dict.fromkeys(plan["embedding_contenders"], RATIO),
+        ),
+    ]
+    if cluster:
+        title = (
+            f"Embeddings on a localhost cluster ({plan['embedding_cluster_workers']} workers, "
+            f"{plan['embedding_cluster_ps']} ps, {plan['embedding_cluster_rows']:,} rows split "
+            "over the ps tasks)"
+        )
+        each = f"{plan['embedding_batch_size']} examples in each update for both"
+        out.append(_layout(title, cluster, EMBEDDINGS_CLUSTER, [each]))
+    return out
+
+
+def convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
+    """A row's verdict on the default rule, and whether it met its target
+    (None when the row does not measure its regime)."""
+    if default is None or sync is None:
+        return "n/a", None
+    staleness = default["mean_staleness"]["median"]
+    if staleness is None or staleness < floor:
+        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
+    acc = default["final_accuracy"]
+    worst = acc["min"] if acc["min"] is not None else acc["median"]
+    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
+    short = [
+        name
+        for name, row in references
+        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
+    ]
+    if worst < COLLAPSED:
+        short.append(f"a run at {worst:.3f}")
+    return ("missed (" + ", ".join(short) + ")", False) if short else ("met", True)
+
+
+def _accuracy_cell(row, staleness: bool = False) -> str | None:
+    if row is None:
+        return None
+    accuracy = row["final_accuracy"]["median"]
+    text = cell(row["final_accuracy"], "{:.3f}")
+    if accuracy is not None and accuracy < COLLAPSED:
+        text = f"**{text}**"
+    mean = row["mean_staleness"]["median"]
+    if staleness and mean is not None:
+        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
+    return text
+
+
+def _convergence_tables(results) -> list[dict[str, Any]]:
+    plan, rows = results["plan"], results["convergence"]
+    rules, devices = list(plan["convergence_rules"]), plan["convergence_devices"]
+    names = [f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules]
+    gaps = ["default − sync", "default − `none`"]
+    out = []
+    for regime, per_device, floor in plan["convergence_regimes"]:
+        lines, verdicts = [], []
+        for model, optimizer in plan["convergence_rows"]:
+            key = {"model": model, "optimizer": optimizer}
+            sync = _find(rows, regime="sync", rule=None, **key)
+            found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
+            default, none = found.get("auto"), found.get("none")
+            verdict, ok = convergence_verdict(regime, floor, default, sync, none)
+            verdicts.append(ok)
+            line = {
+                "Model": model,
+                "Optimizer": workloads.convergence_optimizer_label(model, optimizer),
+                "sync": _accuracy_cell(sync),
+                **{n: _accuracy_cell(found[r], True) for n, r in zip(names, rules)},
+                "target": verdict,
+            }
+            for column, reference in zip(gaps, (sync, none)):
+                if default and reference:
+                    line[column] = 100 * (
+                        default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
+                    )
+            lines.append(line)
+        valid = [v for v in verdicts if v is not None]
+        target = (
+            "target: the default's median within 1 point of sync"
+            + (" and of `none`" if regime == "low" else "")
+            + f", no run below {COLLAPSED}: met in {sum(valid)} of {len(valid)} valid rows; "
+            f"{len(verdicts) - len(valid)} rows invalid or missing"
+        )
+        setting = (
+            f"digits, {plan['convergence_epochs']} epochs, median of "
+            f"{len(plan['convergence_seeds'])} seed(s); (s mean / max staleness)"
+        )
+        out.append(
+            _table(
+                f"Convergence, {regime} staleness: {devices * per_device} replicas ({devices} "
+                f"devices x {per_device}); floor: mean staleness {floor:g}",
+                ["Model", "Optimizer", "sync", *names, *gaps, "target"],
+                lines,
+                dict.fromkeys(gaps, "{:+.1f}"),
+                [target, setting],
+            )
+        )
+    return out
+
+
+def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every table of a results document, in the order of `results.md`."""
+    plan = results["plan"]
+    chosen = set(plan["workloads"])
+    out = [_run_table(results), _targets_table(results)]
+    if "throughput" in chosen:
+        title = "Throughput (examples/s, no straggler)"
+        out.append(_layout(title, results["throughput"], THROUGHPUT))
+    if "straggler" in chosen:
+        title = "Straggler: replica 0 k times slower"
+        out.append(_layout(title, results["straggler"], STRAGGLER))
+    if "accuracy" in chosen:
+        out.append(_accuracy_table(results))
+    if results["points"]:
+        note = (
+            f"digits, MLP, batch {plan['points_batch_size']}, {plan['points_epochs']} epoch(s) "
+            f"per fit, {plan['points_rounds']} round(s); fit: median time against no callback"
+        )
+        title = 'Staleness points (`StalenessTensorBoard(update_freq="batch")`)'
+        out.append(_layout(title, results["points"], POINTS, [note]))
+    if results["memory"]:
+        out.append(_layout("Peak memory (RSS, MiB, per process)", results["memory"], MEMORY))
+    if "control" in chosen:
+        note = (
+            f"{workloads.CONTROL_MODEL['description']} {plan['control_learning_rate']:g}, global "
+            f"batch {plan['control_batch_size']}, {plan['control_steps_per_epoch']} steps an epoch"
+        )
+        title = "Control path (updates/s; plain Keras: steps/s)"
+        out.append(_layout(title, results["control"], CONTROL, [note]))
+    if "cluster" in chosen:
+        notes = [
+            f"{workloads.MODELS[plan['cluster_model']]['description']}, Adam "
+            f"{plan['learning_rate']:g}, {plan['cluster_examples_per_epoch']:,} examples an epoch",
+            "every server ran on the host's CPUs, not on the GPUs --device names"
+            if results["machine"].get("device") == "gpu"
+            else "",
+        ]
+        title = (
+            f"Cluster: {plan['cluster_workers']} workers + {plan['cluster_ps']} ps + chief on "
+            "localhost"
+        )
+        rows = [{**r, "devices": ", ".join(map(_short, r["devices"]))} for r in results["cluster"]]
+        out.append(_layout(title, rows, CLUSTER, notes))
+    if "fault_timeline" in chosen:
+        out += _fault_tables(results)
+    if "embeddings" in chosen:
+        out += _embedding_tables(results)
+    if "convergence" in chosen:
+        out += _convergence_tables(results)
+    if results["errors"]:
+        columns = ["round", "contender", "replicas", "task", "error"]
+        out.append(_table("Errors", columns, results["errors"]))
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """`results.md`: every table, then the figures."""
+    parts = ["# tf_diffmap benchmarks", ""] + [render(t) for t in results["tables"]]
+    if results.get("figures"):
+        parts += ["## Figures", ""] + [f"![{f}]({f})\n" for f in results["figures"]]
+    return "\n".join(parts)

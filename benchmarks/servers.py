@@ -1,11 +1,12 @@
 """Plain `tf.distribute.Server`s on localhost, for `ParameterServerStrategy`.
 
-The tf-keras environment has no `tf_diffmap`, so its cluster cannot come from
-`tf_diffmap.cluster.LocalCluster`: `LocalServers` starts one
-`python -m benchmarks.servers` process per worker and ps task instead, with
-the same habits (free ports of 127.0.0.1, a session of its own, exit when
-standard input closes) and stops exactly the processes it started, by their
-handles. Nothing here imports TensorFlow until a server runs.
+tf-keras' ParameterServerStrategy runs in a Python of its own, whose server
+processes need nothing but TensorFlow: `LocalServers` starts one
+`python -m benchmarks.servers` process per worker and ps task, with the
+habits of `tf_diffmap.local_cluster.LocalCluster` (its `free_ports` of
+127.0.0.1, a session of its own, exit when standard input closes), and stops
+exactly the processes it started, by their handles. Nothing here imports
+TensorFlow until a server runs.
 
     TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' \\
         python -m benchmarks.servers
@@ -17,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,18 +29,6 @@ __all__ = ["LocalServers", "serve"]
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "serving"
-
-
-def _free_ports(count: int, host: str) -> list[int]:
-    # Bound all at once, so the ports are distinct.
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class LocalServers:
@@ -67,7 +55,10 @@ class LocalServers:
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
     ):
-        ports = iter(_free_ports(workers + ps + 1, host))
+        # Imported here: the servers' own processes need no tf_diffmap.
+        from tf_diffmap.local_cluster import free_ports
+
+        ports = iter(free_ports(workers + ps + 1, host))
         self.cluster_spec = {
             "worker": [f"{host}:{next(ports)}" for _ in range(workers)],
             "ps": [f"{host}:{next(ports)}" for _ in range(ps)],

@@ -8,12 +8,13 @@
    seconds for every contender.
 3. Runs the plan's sessions (one subprocess each, `benchmarks.worker`) once per
    repeat, in the same order every round, so that contenders alternate.
-4. Writes `results.json`, `results.md` and PNG plots to the output directory.
+4. Writes `results.json`, `results.md` and PNG plots to the output directory,
+   and prints `results.md`'s tables.
 
 `--device` picks the replicas' devices: logical CPU devices, or GPUs (one
 per replica, or slices of the first GPU when there are fewer GPUs than
 replicas); `auto` takes the GPUs when the `--python` sees any. The cluster
-workload runs on CPUs whatever the device (see `benchmarks.report`).
+workload runs on CPUs whatever the device (see `docs/benchmarks.md`).
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def _without_tf_keras(plan: plans.Plan, reason: str) -> plans.Plan:
 
 def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, Any]:
     """Runs `plan` and writes its results; returns them."""
-    from benchmarks import embeddings, report
+    from benchmarks import report
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -402,14 +403,7 @@ def run(plan: plans.Plan, args: argparse.Namespace, command: str) -> dict[str, A
         else:
             (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
             (out_dir / "results.md").write_text(report.markdown(results))
-    for line in report.points_summary(results) + report.control_summary(results):
-        _log(line)
-    for line in report.cluster_summary(results) + report.fault_timeline_summary(results):
-        _log(line)
-    for line in embeddings.summary(results) + report.target_lines(
-        results, [t[0] for t in embeddings.TARGETS]
-    ):
-        _log(line)
+    print(report.markdown(results), flush=True)
     _log(f"wrote {out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s")
     return results
 
@@ -528,7 +522,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("mlp_wide", "mlp_deep_bn"),
         default=None,
         help="the model of the cluster workloads (default mlp_wide: 6 variables; "
-        "mlp_deep_bn: 50 small ones, which the floor does not run)",
+        "mlp_deep_bn: 50 small ones)",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser

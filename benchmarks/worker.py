@@ -1,49 +1,19 @@
-"""One benchmark session: one contender on one number of logical CPU devices.
+"""One benchmark session: one contender on one number of devices, in its own process.
 
-Run by the suite as a subprocess, since logical devices must be made before
-TensorFlow initializes:
+Logical devices must be made before TensorFlow initializes, so the suite
+runs each session as a subprocess:
 
     python -m benchmarks.worker --json-config '{"contender": "mirrored", "replicas": 4,
         "tasks": [{"kind": "throughput", "model": "mlp", ...}]}'
 
-It runs the session's tasks in order and prints one line, `RESULT_PREFIX`
-followed by the results as JSON, on standard output. A task that fails is
-reported as failed (with the error) and the session goes on with the next.
-
-Tasks:
-
-- `throughput`: examples per second of `fit` on synthetic data, after a
-  warm-up `fit` that traces the step; timed epoch by epoch until both
-  `min_epochs` and `min_seconds` are reached.
-- `straggler`: the same with a `ReplicaDelay` layer that makes replica 0 sleep,
-  timed once per sleep in `delays` (the layer is traced once; only its
-  `seconds` changes between windows).
-- `accuracy`: time to accuracy on scikit-learn's digits: training time (the
-  clock stops while the callback measures) until the validation accuracy at
-  an epoch's end first reaches each target, within a budget of epochs. The
-  accuracy is computed in NumPy from the weights, the same way for everyone.
-- `control`: the control path's ceiling: a `Dense(1)` on 8 inputs, batch 16,
-  compiled with the task's `steps_per_execution`; Keras steps per second and
-  (under tf_diffmap) updates per second, from the median epoch.
-- `cluster`: examples per second of the wide MLP on a localhost cluster (or
-  the same replicas in one process), and each replica's time per update;
-  under `floor_cluster`, of the bare TensorFlow loop (`benchmarks.floor`).
-- `fault_timeline` (tf_diffmap on a localhost cluster only): examples/s per
-  second of wall time while one worker is killed (SIGKILL) and restarted at
-  the same address, per replica, with each process' CPU time (see
-  `benchmarks.timeline`).
-- `convergence`: final validation accuracy on digits after a fixed number
-  of epochs, every replica sleeping its emulated device time in each step,
-  with the measured staleness.
-- `points` (tf_diffmap only): what `StalenessTensorBoard(update_freq="batch")`
-  costs on digits: the CPU time of a point, and `fit` without the callback,
-  with every point, and with the default overhead budget.
-
-Every `fit` reads a repeated `tf.data.Dataset` with `steps_per_epoch`
-(`workloads.dataset`), so no contender rebuilds its input iterator per epoch;
-a throughput task with `"input": "numpy"` passes NumPy arrays to `fit`
-instead, as most Keras code does, and then pays for whatever Keras rebuilds
-every epoch.
+It runs the session's tasks in order (`TASKS`: one function per kind, whose
+docstring says what it measures; `docs/benchmarks.md` says how the tables
+read) and prints one line, `RESULT_PREFIX` and the results as JSON. A task
+that fails is reported with its error and the session goes on. Every `fit`
+reads a repeated `tf.data.Dataset` with `steps_per_epoch`
+(`workloads.dataset`), so no contender rebuilds its input iterator per
+epoch, but a throughput task with `"input": "numpy"`, which passes NumPy
+arrays to `fit` as most Keras code does.
 """
 
 from __future__ import annotations
@@ -66,7 +36,6 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from benchmarks import timeline, workloads  # noqa: E402  (import no TensorFlow)
-from benchmarks.plan import CONTROL_FLOORS  # noqa: E402
 
 __all__ = ["RESULT_PREFIX", "run_session", "main"]
 
@@ -221,6 +190,8 @@ def _warmed_up_model(rt, task: dict, seed: int):
 
 
 def run_throughput(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Examples/s of `fit` on synthetic data, after a warm-up `fit` that
+    traces the step, epoch by epoch until `min_epochs` and `min_seconds`."""
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
     out = _timed_fit(rt, model, x, y, task)
     out["warmup_seconds"] = warmup
@@ -324,6 +295,9 @@ def run_embeddings(rt, task: dict, seed: int) -> dict[str, Any]:
 
 
 def run_straggler(rt, task: dict, seed: int) -> dict[str, Any]:
+    """The same, with a `ReplicaDelay` layer making replica 0 sleep: a timed
+    window per sleep in `delays` (the layer is traced once, only its
+    `seconds` changes)."""
     x, y = workloads.synthetic_data(task["model"], task["examples_per_epoch"], seed)
     rt.keras.utils.set_random_seed(seed)
     with rt.scope():
@@ -348,6 +322,9 @@ def _optimizer_variables(optimizer) -> list:
 
 
 def run_accuracy(rt, task: dict, seed: int) -> dict[str, Any]:
+    """Training seconds on digits until the validation accuracy at an epoch's
+    end first reaches each target, within a budget of epochs (the clock
+    stops while the accuracy is computed, in NumPy, alike for everyone)."""
     x_train, x_val, y_train, y_val = workloads.digits_data(seed)
     batch_size = task["batch_size"]
     rt.keras.utils.set_random_seed(seed)
@@ -521,51 +498,25 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
 
     What is left is the control path: Keras' loop, the strategy's dispatch and
     the replicas' loops. Plain Keras applies one update per step; tf_diffmap
-    one per replica per step (a shard of `batch_size / replicas` examples),
-    and so do the floors (`floor_control`: `benchmarks.floor.QueueLoops`,
-    Keras' loop feeding bare replica loops; `floor_keras_control`: the same
-    loops, each shard applied by Keras' own train step).
+    one per replica per step (a shard of `batch_size / replicas` examples).
     """
     spe, batch_size = task["steps_per_execution"], task["batch_size"]
     examples = task["steps_per_epoch"] * batch_size
     x, y = workloads.control_data(examples, seed)
     rt.keras.utils.set_random_seed(seed)
-    loops = None
-    if rt.name in CONTROL_FLOORS:
-        from benchmarks import floor
-        from tf_diffmap.devices import compute_device
-
-        loops = floor.QueueLoops(
-            rt.keras,
-            rt.devices,
-            batch_size,
-            task["learning_rate"],
-            features=x.shape[1],
-            seed=seed,
-            keras_step=rt.name == "floor_keras_control",
-            # Placed as tf_diffmap places its replicas by default.
-            compute_devices=[compute_device(d) for d in rt.devices],
+    with rt.scope():
+        model = workloads.build_control_model(rt.keras)
+        model.compile(
+            optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
+            loss="mse",
+            steps_per_execution=spe,
         )
-        model = loops.model
-        model.compile(steps_per_execution=spe)
-    else:
-        with rt.scope():
-            model = workloads.build_control_model(rt.keras)
-            model.compile(
-                optimizer=rt.keras.optimizers.SGD(task["learning_rate"]),
-                loss="mse",
-                steps_per_execution=spe,
-            )
-    warmup_steps = 2 * spe
-    try:
-        warmup = _warm_up(rt, model, x, y, batch_size, steps=warmup_steps)
-        cpu = time.process_time()
-        out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
-        cpu = time.process_time() - cpu
-    finally:
-        applied = None if loops is None else loops.stop()
+    warmup = _warm_up(rt, model, x, y, batch_size, steps=2 * spe)
+    cpu = time.process_time()
+    out = _timed_fit(rt, model, x, y, {**task, "examples_per_epoch": examples})
+    cpu = time.process_time() - cpu
     steps_per_second = task["steps_per_epoch"] / out["median_epoch_seconds"]
-    updates_per_step = len(rt.devices) if rt.asynchronous or loops is not None else 1
+    updates_per_step = len(rt.devices) if rt.asynchronous else 1
     # The process's CPU over the window (its first epoch included) per update:
     # what an update costs the host, whatever the cores do meanwhile.
     window_steps = (out["epochs"] + 1) * task["steps_per_epoch"]
@@ -581,11 +532,6 @@ def run_control(rt, task: dict, seed: int) -> dict[str, Any]:
         # Every epoch of the window and the first one: what the replicas applied.
         out["updates_counted"] = sum(out["replica_steps"])
         out["updates_expected"] = window_steps * updates_per_step
-    elif applied is not None:
-        # The floor's loops, from their first shard (the warm-up's included).
-        out["updates_counted"] = applied
-        out["updates_expected"] = (warmup_steps + window_steps) * updates_per_step
-        out["floor_steps_per_loop"] = loops.steps_per_loop
     return out
 
 
@@ -597,13 +543,7 @@ def run_cluster(rt, task: dict, seed: int) -> dict[str, Any]:
     waits included (for a shard, for the store, for gRPC round trips). Under
     ParameterServerStrategy, which reports no per-worker count, it is the
     `fit` time over the steps, times the workers (an even spread assumed).
-    The floor (`floor_cluster`) has no `fit`: `benchmarks.floor` times its
-    loop in the same windows.
     """
-    if rt.name == "floor_cluster":
-        from benchmarks import floor
-
-        return floor.run_cluster(rt, task, seed)
     model, x, y, warmup = _warmed_up_model(rt, task, seed)
     pids = rt.process_ids()
     cpu_start = timeline.processes_cpu_seconds(pids)

@@ -1,41 +1,27 @@
-"""Smoke tests of the benchmark suite: tiny configurations run and write valid JSON.
+"""Tests of the benchmark suite: the report's arithmetic and tables, and tiny runs.
 
-No timing is asserted: the smoke preset's numbers mean nothing. It runs two
-sessions (plain Keras on one device; tf_diffmap on two with a straggler) in
-subprocesses at once, which takes about 20 to 40 seconds on a 2-core host;
-the control, cluster and fault-timeline workloads have tests of their own
-(the fault timeline's takes about a minute: a cluster of 3 workers, 20 s of
-training).
+The report is checked on made-up sessions (fast): every target's figure is
+the ratio of the rows it names, `met` is that figure against the threshold,
+and the Markdown prints the figures. The smoke runs (marked slow) run the
+suite in subprocesses with tiny settings, whose numbers mean nothing: they
+check that each table has its columns and a row per contender, that the
+figures are finite and positive, and that the targets agree with the rows.
 """
 
-import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import plan as plans
+from benchmarks import report
+
 ROOT = Path(__file__).resolve().parent.parent
 
-KEYS = {
-    "schema",
-    "created",
-    "command",
-    "plan",
-    "machine",
-    "versions",
-    "tf_keras",
-    "calibration",
-    "throughput",
-    "straggler",
-    "accuracy",
-    "memory",
-    "targets",
-    "errors",
-    "sessions",
-}
-TARGET_KEYS = {
+TIMED_TARGETS = {
     "overhead",
     "even_vs_mirrored",
     "even_vs_central",
@@ -46,6 +32,235 @@ TARGET_KEYS = {
 }
 
 
+def _table(results, title: str) -> dict:
+    (table,) = [t for t in results["tables"] if t["title"].startswith(title)]
+    return table
+
+
+def _line(markdown: str, start: str) -> str:
+    """The one Markdown line that starts with `start`."""
+    (line,) = [line for line in markdown.splitlines() if line.startswith(start)]
+    return line
+
+
+def _check_targets(results, markdown: str) -> dict:
+    """Every target's `met` is its figure against its threshold (None, with a
+    reason, when not measured), and the targets table prints each one."""
+    for t in results["targets"]:
+        if t["measured"] is None:
+            assert t["met"] is None and t["note"], t
+        else:
+            assert math.isfinite(t["measured"]), t
+            op = (lambda a, b: a >= b) if t["comparison"] == ">=" else (lambda a, b: a <= b)
+            assert t["met"] is op(t["measured"], t["target"]), t
+        line = _line(markdown, f"| {t['description']} |")
+        verdict = {True: "met", False: "missed", None: "not measured"}[t["met"]]
+        measured = "–" if t["measured"] is None else f"{t['measured']:.2f}{t['unit']}"
+        assert f"| {measured} |" in line and f"| {verdict} |" in line, line
+    assert len(_table(results, "Targets")["rows"]) == len(results["targets"])
+    return {t["key"]: t for t in results["targets"]}
+
+
+def _positive(spread) -> float:
+    """A spread's median, checked finite and positive."""
+    assert spread["median"] is not None and math.isfinite(spread["median"]), spread
+    assert spread["median"] > 0 and spread["min"] <= spread["median"] <= spread["max"], spread
+    return spread["median"]
+
+
+# -- The report on made-up sessions ---------------------------------------------
+
+
+def _session(round_, contender, replicas, tasks, **config):
+    """A run as `benchmarks.suite` records it: its config and the worker's result."""
+    return {
+        "round": round_,
+        "config": {"contender": contender, "replicas": replicas, "tasks": [t for t, _ in tasks]},
+        "result": {
+            "status": "ok",
+            "contender": contender,
+            "replicas": replicas,
+            "peak_rss_mb": 700.0,
+            "tasks": [
+                {"task": task, "result": {"status": "ok", "peak_rss_mb": 600.0, **result}}
+                for task, result in tasks
+            ],
+            **config,
+        },
+    }
+
+
+def _throughput(eps: float):
+    task = {"kind": "throughput", "model": "mlp"}
+    return task, {
+        "examples_per_second": eps,
+        "median_epoch_seconds": 2048 / eps,
+        "warmup_seconds": 1,
+    }
+
+
+def _control(contender, spe: int, steps: float):
+    updates = 1 if contender == "plain_keras" else 4
+    task = {"kind": "control", "steps_per_execution": spe}
+    return task, {
+        "steps_per_second": steps,
+        "updates_per_second": steps * updates,
+        "updates_per_step": updates,
+        "cpu_us_per_update": 100.0,
+        "steps_per_loop": None if contender == "plain_keras" else 32,
+    }
+
+
+# Examples/s in rounds 1 and 2; Keras steps/s at steps_per_execution 16 and 1.
+MADE_UP = {
+    ("plain_keras", 1): (1000.0, 1200.0),
+    ("tf_diffmap", 1): (1000.0, 1100.0),
+    ("mirrored", 4): (1000.0, 1000.0),
+    ("tf_diffmap", 4): (3000.0, 3400.0),
+}
+CONTROL = {"plain_keras": (1000.0, 400.0), "tf_diffmap": (300.0, 200.0)}
+# Examples/s and best validation accuracy per contender and table size.
+EMBEDDINGS = {
+    ("plain_keras", 2_000): (500.0, 0.75),
+    ("plain_keras", 20_000): (100.0, 0.81),
+    ("tf_diffmap", 2_000): (800.0, 0.7421875),
+    ("tf_diffmap", 20_000): (720.0, 0.805),
+}
+
+
+def _embeddings(rows: int, eps: float, accuracy: float):
+    task = {"kind": "embeddings", "rows": rows, "optimizer": "sgd"}
+    return task, {
+        "examples_per_second": eps,
+        "table_mb": rows * 32 * 4 / 2**20,
+        "cpu_seconds_per_1000_examples": 0.02,
+        "val_accuracy": accuracy,
+        "best_val_accuracy": accuracy,
+    }
+
+
+def _made_up_results():
+    runs = []
+    for round_ in (0, 1):
+        for (contender, replicas), rates in MADE_UP.items():
+            runs.append(_session(round_, contender, replicas, [_throughput(rates[round_])]))
+        for contender, steps in CONTROL.items():
+            tasks = [_control(contender, spe, s) for spe, s in zip((16, 1), steps)]
+            runs.append(_session(round_, contender, 1 if contender == "plain_keras" else 4, tasks))
+    for (contender, rows), (eps, accuracy) in EMBEDDINGS.items():
+        task = _embeddings(rows, eps, accuracy)
+        runs.append(_session(0, contender, 1 if contender == "plain_keras" else 4, [task]))
+    plan = plans.Plan(
+        name="made-up",
+        repeats=2,
+        contenders=("plain_keras", "mirrored", "tf_diffmap"),
+        replicas=(1, 4),
+        models=("mlp",),
+        numpy_input_replicas=(),
+        workloads=("throughput", "control", "embeddings"),
+        embedding_rows=(2_000, 20_000),
+        embedding_optimizers=("sgd",),
+        embedding_cluster_rows=None,
+    )
+    results = report.build(
+        plan=plan,
+        runs=runs,
+        calibration={},
+        machine={"cpu": "a CPU", "logical_cpus": 2},
+        tf_keras={"available": False, "reason": "no tf-keras here"},
+        command="python -m benchmarks",
+        mirrored_reduce="one_device",
+        seconds=60.0,
+    )
+    return results, report.markdown(results)
+
+
+def test_targets_are_the_ratios_of_their_rows_and_met_compares_them():
+    results, markdown = _made_up_results()
+    targets = _check_targets(results, markdown)
+    assert set(targets) == {"overhead", "even_vs_mirrored", "even_vs_central"} | {
+        "control_spe16",
+        "control_spe1",
+        "embedding_scaling",
+        "embedding_vs_keras",
+        "embedding_accuracy",
+    }
+    # Medians: plain Keras 1,100, tf_diffmap 1,050 on one device; 3,200 against 1,000 on four.
+    assert targets["overhead"]["measured"] == pytest.approx(1050 / 1100)
+    assert targets["overhead"]["met"] is False
+    assert targets["even_vs_mirrored"]["measured"] == pytest.approx(3.2)
+    assert targets["even_vs_mirrored"]["met"] is True
+    assert targets["even_vs_central"]["measured"] is None
+    assert "tf-keras" in targets["even_vs_central"]["note"]
+    # tf_diffmap's updates/s (4 a step) over plain Keras' steps/s.
+    assert targets["control_spe16"]["measured"] == pytest.approx(1200 / 1000)
+    assert targets["control_spe1"]["measured"] == pytest.approx(800 / 400)
+    assert targets["control_spe1"]["met"] is False  # below 2.5x
+    assert targets["embedding_scaling"]["measured"] == pytest.approx(720 / 800)
+    assert targets["embedding_vs_keras"]["measured"] == pytest.approx(7.2)
+    # The worst of tf_diffmap's best accuracy against plain Keras', in points.
+    assert targets["embedding_accuracy"]["measured"] == pytest.approx(-0.78125)
+    assert targets["embedding_accuracy"]["met"] is True  # the threshold is -1 point
+    assert results["tables"] == json.loads(json.dumps(results["tables"]))
+
+
+def test_tables_have_a_row_per_configuration_and_print_its_figures():
+    results, markdown = _made_up_results()
+    table = _table(results, "Throughput")
+    assert table["columns"] == [
+        "Model",
+        "Input",
+        "Replicas",
+        "Contender",
+        "examples/s",
+        "/ MirroredStrategy",
+    ]
+    assert [(r["Replicas"], r["Contender"]) for r in table["rows"]] == [
+        (1, "plain Keras"),
+        (1, "tf_diffmap"),
+        (4, "MirroredStrategy"),
+        (4, "tf_diffmap"),
+    ]
+    assert markdown.count("| mlp | dataset |") == len(MADE_UP)
+    assert "| mlp | dataset | 1 | plain Keras | 1,100 (1,000–1,200) | – |" in markdown
+    assert "| mlp | dataset | 1 | tf_diffmap | 1,050 (1,000–1,100) | – |" in markdown
+    assert "| mlp | dataset | 4 | tf_diffmap | 3,200 (3,000–3,400) | 3.20x |" in markdown
+    control = _table(results, "Control path")
+    assert [(r["Contender"], r["steps_per_execution"]) for r in control["rows"]] == [
+        ("plain Keras", 16),
+        ("plain Keras", 1),
+        ("tf_diffmap", 16),
+        ("tf_diffmap", 1),
+    ]
+    assert "| tf_diffmap | 32 | 16 | 4 | 1,200 (1,200–1,200) | 100 (100–100) |" in markdown
+    memory = _table(results, "Peak memory")
+    assert len(memory["rows"]) == len(MADE_UP)  # the control sessions are not counted
+    assert "| sgd | 20,000 | 2.4 | tf_diffmap | 720 | 0.020 | 0.805 | 0.805 | – |" in markdown
+    assert "| sgd | 0.20x | 0.90x |" in markdown  # examples/s at 20,000 rows / at 2,000
+
+
+def test_cells_print_spreads_and_nothing_alike():
+    spread = {"median": 2.0, "min": 1.0, "max": 3.5, "values": [1.0, 2.0, 3.5]}
+    assert report.cell(spread, "{:.1f}x") == "2.0x (1.0x–3.5x)"
+    assert report.cell({"median": 2.0, "min": 2.0, "max": 2.0, "values": [2.0]}) == "2.00"
+    assert report.cell(None) == report.cell(float("nan")) == "–"
+    assert report.cell(12345) == "12,345"
+    assert report.cell("a | b") == "a \\| b"
+    table = report._table("T", ["a", "b"], [{"a": 1.5, "b": spread}], {"b": "{:.0f}"}, ["note"])
+    assert report.render(table).splitlines() == [
+        "## T",
+        "",
+        "| a | b |",
+        "| --- | --- |",
+        "| 1.50 | 2 (1–4) |",
+        "",
+        "- note",
+    ]
+
+
+# -- Smoke runs -----------------------------------------------------------------
+
+
 def _strict_json(text: str):
     def refuse(constant):
         raise ValueError(f"results.json holds {constant}, which is not valid JSON")
@@ -54,8 +269,9 @@ def _strict_json(text: str):
 
 
 def _run_suite(tmp_path, *args: str, plots: bool = False, timeout: int = 300):
-    """Runs `python -m benchmarks --smoke ARGS --out tmp_path`; its process
-    and results (checked: exit 0, valid JSON, no session errors)."""
+    """Runs `python -m benchmarks --smoke ARGS --out tmp_path`; its process,
+    results and Markdown (checked: exit 0, valid JSON, no session errors,
+    targets that agree with their figures, the tables printed)."""
     command = [sys.executable, "-m", "benchmarks", "--smoke", *args, "--out", str(tmp_path)]
     if not plots:
         command.append("--no-plots")
@@ -63,17 +279,34 @@ def _run_suite(tmp_path, *args: str, plots: bool = False, timeout: int = 300):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = _strict_json((tmp_path / "results.json").read_text())
     assert results["errors"] == [], results["errors"]
-    return proc, results
+    markdown = (tmp_path / "results.md").read_text()
+    assert proc.stdout.strip().startswith(markdown.split("## Figures")[0].strip())
+    _check_targets(results, markdown)
+    return proc, results, markdown
 
 
 @pytest.mark.slow
 def test_smoke_run_writes_results(tmp_path):
+    import importlib.util
+
     plots = importlib.util.find_spec("matplotlib") is not None
-    proc, results = _run_suite(tmp_path, "--jobs", "2", plots=plots, timeout=240)
-    assert KEYS <= set(results), sorted(KEYS - set(results))
+    _, results, markdown = _run_suite(tmp_path, "--jobs", "2", plots=plots, timeout=240)
     assert results["plan"]["name"] == "smoke"
-    # The main interpreter has no tf-keras, and says so instead of failing.
-    assert results["tf_keras"]["available"] in (True, False)
+    assert [t["title"].split(" (")[0].split(":")[0] for t in results["tables"]] == [
+        "Run",
+        "Targets",
+        "Throughput",
+        "Straggler",
+        "Time to accuracy",
+        "Staleness points",
+        "Peak memory",
+    ]
+    # The plan's step, not a calibration: (k - 1) x 2 ms.
+    assert "| straggler t, 2 replicas | 2.0 ms (k=2: 2.0 ms; fixed by the plan) |" in markdown
+    # The smoke preset runs no contender on 4 devices: no target is measured, each says why.
+    targets = {t["key"]: t for t in results["targets"]}
+    assert set(targets) == TIMED_TARGETS
+    assert all(t["met"] is None for t in targets.values())
 
     (throughput,) = results["throughput"]
     assert (throughput["contender"], throughput["model"], throughput["replicas"]) == (
@@ -81,40 +314,50 @@ def test_smoke_run_writes_results(tmp_path):
         "mlp",
         1,
     )
-    assert throughput["examples_per_second"]["median"] > 0
+    eps = _positive(throughput["examples_per_second"])
+    (row,) = _table(results, "Throughput")["rows"]
+    assert (row["Contender"], row["Replicas"], row["/ MirroredStrategy"]) == (
+        "plain Keras",
+        1,
+        None,
+    )
+    assert _line(markdown, "| mlp | dataset | 1 |").startswith(
+        f"| mlp | dataset | 1 | plain Keras | {eps:,.0f}"
+    )
 
     straggler = {(r["contender"], r["replicas"], r["slowdown"]): r for r in results["straggler"]}
     assert set(straggler) == {("tf_diffmap", 2, 1), ("tf_diffmap", 2, 2)}
     for row in straggler.values():
-        assert row["examples_per_second"]["median"] > 0
-        assert 0 <= row["replica0_share"] <= 1
-    assert straggler[("tf_diffmap", 2, 2)]["delay_seconds"] > 0
+        _positive(row["examples_per_second"])
+        assert 0 < row["replica0_share"] < 1
+    slowed = straggler[("tf_diffmap", 2, 2)]
+    assert slowed["delay_seconds"] == pytest.approx(0.002)  # (k - 1) x the plan's step
+    assert slowed["retention"] == pytest.approx(
+        slowed["examples_per_second"]["median"]
+        / straggler[("tf_diffmap", 2, 1)]["examples_per_second"]["median"]
+    )
+    line = _line(markdown, "| 2 | tf_diffmap | 2 |")
+    assert f"| {slowed['examples_per_second']['median']:,.0f} |" in line
+    assert f"| {slowed['retention']:.0%} |" in line
 
     (accuracy,) = results["accuracy"]
     assert accuracy["contender"] == "plain_keras" and not accuracy["straggler"]
-    assert 0 <= accuracy["final_accuracy"]["median"] <= 1
+    assert 0 < accuracy["final_accuracy"]["median"] <= 1
     assert set(accuracy["seconds_to"]) == {"0.95", "0.97"}
-    assert accuracy["histories"] and accuracy["histories"][0][0]["epoch"] == 1
+    assert accuracy["histories"][0][0]["epoch"] == 1
+    line = _line(markdown, "| plain Keras | 1 | – | none |")
+    assert f"| {accuracy['final_accuracy']['median']:.4f} |" in line
 
-    assert {(r["contender"], r["replicas"]) for r in results["memory"]} == {
-        ("plain_keras", 1),
-        ("tf_diffmap", 2),
-    }
-    assert all(r["peak_rss_mb_session"] > 0 for r in results["memory"])
+    memory = {(r["contender"], r["replicas"]): r for r in results["memory"]}
+    assert set(memory) == {("plain_keras", 1), ("tf_diffmap", 2)}
+    assert all(r["peak_rss_mb_session"] > 100 for r in memory.values())
 
     # The cost of batch-level staleness points, under tf_diffmap on 2 devices.
     (points,) = results["points"]
     assert points["replicas"] == 2 and points["points_per_run"][0] > 0
-    assert points["point_cpu_ms"]["median"] > 0
+    cpu = _positive(points["point_cpu_ms_median"])
     assert 0 < points["budget_points"]["median"] <= points["batches_per_fit"]
-    assert "staleness points, 2 replicas" in proc.stderr
-
-    assert {t["key"] for t in results["targets"]} == TARGET_KEYS
-    assert all(t["met"] in (True, False, None) for t in results["targets"])
-
-    markdown = (tmp_path / "results.md").read_text()
-    assert "## Targets" in markdown and "## Throughput" in markdown
-    assert "## Staleness points" in markdown
+    assert _line(markdown, f"| 2 | {cpu:.3f}")
     if plots:
         assert results["figures"]
         for name in results["figures"]:
@@ -125,7 +368,7 @@ def test_smoke_run_writes_results(tmp_path):
 def test_smoke_convergence_reports_staleness_and_the_regime_floor(tmp_path):
     """The convergence table: sync once, tf_diffmap in both regimes, each
     row with its measured staleness and a verdict against its floor."""
-    proc, results = _run_suite(
+    _, results, markdown = _run_suite(
         tmp_path, "--only", "convergence", "--contenders", "mirrored,tf_diffmap"
     )
     rows = {(r["regime"], r["rule"]): r for r in results["convergence"]}
@@ -141,11 +384,17 @@ def test_smoke_convergence_reports_staleness_and_the_regime_floor(tmp_path):
     # 16 replicas with device time overlap more than 4: staleness is real.
     assert 1 <= low["mean_staleness"]["median"] < high["mean_staleness"]["median"]
     assert high["max_staleness"] >= high["mean_staleness"]["median"]
-    assert all(0 <= r["final_accuracy"]["median"] <= 1 for r in rows.values())
-    markdown = (tmp_path / "results.md").read_text()
-    assert "### Low staleness: 4 replicas" in markdown
-    assert "### High staleness: 16 replicas" in markdown
-    assert "(s " in markdown  # every tf_diffmap cell prints its staleness
+    assert all(0 < r["final_accuracy"]["median"] <= 1 for r in rows.values())
+    for regime, per_device, floor in results["plan"]["convergence_regimes"]:
+        table = _table(results, f"Convergence, {regime} staleness: {4 * per_device} replicas")
+        (row,) = table["rows"]
+        verdict, _ = report.convergence_verdict(
+            regime, floor, rows[(regime, "auto")], rows[("sync", None)], rows[(regime, "none")]
+        )
+        assert row["target"] == verdict
+        mean = rows[(regime, "auto")]["mean_staleness"]["median"]
+        assert f"(s {mean:.1f} / " in row["`auto` (default)"]
+    assert markdown.count("| mlp_digits | SGD(") == 2
 
 
 @pytest.mark.slow
@@ -153,110 +402,76 @@ def test_smoke_control_and_cluster(tmp_path):
     """The control and cluster workloads run and report their targets.
 
     The cluster workload starts localhost servers (LocalCluster for
-    tf_diffmap and the floor); ParameterServerStrategy needs tf-keras, which
-    this interpreter may not have, and is then left out with the reason (and
-    the floor's ratios to it are not measured).
+    tf_diffmap); ParameterServerStrategy needs tf-keras, which this
+    interpreter may not have, and is then left out with the reason.
     """
-    proc, results = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
+    _, results, markdown = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
     assert results["machine"]["device"] == "cpu"
-
     control = {
-        (r["contender"], r["steps_per_loop"], r["steps_per_execution"]) for r in results["control"]
+        (r["contender"], r["steps_per_loop"], r["steps_per_execution"]): r
+        for r in results["control"]
     }
-    assert control == {
-        ("plain_keras", None, 16),
-        ("plain_keras", None, 1),
-        ("tf_diffmap", 32, 16),
-        ("tf_diffmap", 32, 1),
-        ("tf_diffmap_own_devices", 32, 16),
-        ("tf_diffmap_own_devices", 32, 1),
-        ("floor_control", None, 16),
-        ("floor_control", None, 1),
-        ("floor_keras_control", None, 16),
-        ("floor_keras_control", None, 1),
-    }
-    for row in results["control"]:
-        assert row["updates_per_second"]["median"] > 0
-        assert row["cpu_us_per_update"]["median"] > 0
-        if row["contender"] != "plain_keras":
-            # tf_diffmap's replicas and the floor's loops: one update per shard.
-            assert row["updates_per_step"] == 4
-            assert row["updates_counted"] == row["updates_expected"]
-    control_floor = {r["key"]: r for r in results["control_floor"]}
-    assert set(control_floor) == {
-        f"{name}_spe{spe}"
-        for name in (
-            "control_floor_vs_keras",
-            "control_vs_floor",
-            "control_keras_floor_vs_keras",
-            "control_vs_keras_floor",
+    assert set(control) == {
+        (contender, k, spe)
+        for contender, k in (
+            ("plain_keras", None),
+            ("tf_diffmap", 32),
+            ("tf_diffmap_own_devices", 32),
         )
         for spe in (16, 1)
     }
-    assert all(r["measured"] > 0 for r in control_floor.values())
-    assert control_floor["control_floor_vs_keras_spe1"]["caps"] == "control_spe1"
+    for row in control.values():
+        _positive(row["updates_per_second"])
+        _positive(row["cpu_us_per_update"])
+        if row["contender"] != "plain_keras":
+            # tf_diffmap's replicas: one update per shard.
+            assert row["updates_per_step"] == 4
+            assert row["updates_counted"] == row["updates_expected"]
+    targets = {t["key"]: t for t in results["targets"]}
+    for key, spe in (("control_spe16", 16), ("control_spe1", 1)):
+        assert targets[key]["measured"] == pytest.approx(
+            control[("tf_diffmap", 32, spe)]["updates_per_second"]["median"]
+            / control[("plain_keras", None, spe)]["steps_per_second"]["median"]
+        )
+    shown = [(r["Contender"], r["steps_per_execution"]) for r in _table(results, "Control")["rows"]]
+    assert shown == [
+        (label, spe)
+        for label in (
+            "plain Keras",
+            "tf_diffmap",
+            "tf_diffmap, each replica's ops on its own device",
+        )
+        for spe in (16, 1)
+    ]
 
     batch, workers = results["plan"]["cluster_batch_size"], results["plan"]["cluster_workers"]
     cluster = {(r["contender"], r["batch_size"]): r for r in results["cluster"]}
-    # tf_diffmap on the cluster and the floor also at PSS' examples per update.
-    expected = {
-        (contender, size)
-        for contender in ("tf_diffmap_cluster", "floor_cluster")
-        for size in (batch, batch * workers)
-    }
+    # tf_diffmap on the cluster also at PSS' examples per update.
+    expected = {("tf_diffmap_cluster", batch), ("tf_diffmap_cluster", batch * workers)}
     expected.add(("tf_diffmap", batch))
     if results["tf_keras"]["available"]:
         expected.add(("parameter_server", batch))
     assert set(cluster) == expected
-    for key in expected:
-        if key[0] in ("tf_diffmap_cluster", "floor_cluster"):
-            assert all(d.startswith("/job:worker/") for d in cluster[key]["devices"])
-            assert len(cluster[key]["devices"]) == workers
     servers = workers + results["plan"]["cluster_ps"]
     for (contender, _), row in cluster.items():
-        assert row["examples_per_second"]["median"] > 0
-        assert row["replica_ms_per_update"]["median"] > 0
+        if contender == "tf_diffmap_cluster":
+            assert len(row["devices"]) == workers
+            assert all(d.startswith("/job:worker/") for d in row["devices"])
+        eps = _positive(row["examples_per_second"])
+        _positive(row["median_replica_ms_per_update"])
+        _positive(row["cpu_ms_per_update"])
+        _positive(row["cpu_ms_per_1000_examples"])
         # The CPU of this process, and of every server on a cluster.
         assert row["cpu_processes"] == (1 if contender == "tf_diffmap" else 1 + servers)
-        assert row["cpu_ms_per_update"]["median"] > 0
-        assert row["cpu_ms_per_1000_examples"]["median"] > 0
-    for size in (batch, batch * workers):
-        # The floor's ps applied every update its workers' loops ran, warm-up included.
-        floor = cluster[("floor_cluster", size)]
-        assert floor["updates_applied"] == floor["updates_expected"]
-        assert floor["mean_staleness"] is None
-
-    floor_ratios = {r["key"]: r for r in results["cluster_floor"]}
-    assert set(floor_ratios) == {
-        "floor_vs_in_process",
-        "cluster_vs_floor",
-        "cluster_vs_floor_per_update",
-        "floor_vs_parameter_server",
-        "floor_vs_parameter_server_per_update",
-    }
-    measured = {"floor_vs_in_process", "cluster_vs_floor", "cluster_vs_floor_per_update"}
-    if results["tf_keras"]["available"]:
-        measured |= {"floor_vs_parameter_server", "floor_vs_parameter_server_per_update"}
-    for key, row in floor_ratios.items():
-        assert (row["measured"] > 0) if key in measured else (row["measured"] is None)
-    assert floor_ratios["floor_vs_in_process"]["caps"] == "cluster_vs_in_process"
-    assert floor_ratios["cluster_vs_floor_per_update"]["batch_sizes"] == [batch * workers] * 2
-
-    targets = {t["key"]: t for t in results["targets"]}
-    for key in ("control_spe16", "control_spe1", "cluster_vs_in_process"):
-        assert targets[key]["measured"] > 0 and targets[key]["met"] in (True, False)
-    assert "cluster_vs_parameter_server" in targets
-    assert "cluster_vs_parameter_server_per_update" in targets
-    markdown = (tmp_path / "results.md").read_text()
-    assert "## Control path" in markdown and "## Cluster" in markdown
-    assert "Against the floor" in markdown
-    assert f"({1 + servers} processes)" in markdown
-    assert "updates/s" in proc.stderr and "examples/s" in proc.stderr
-    assert "cluster: bare TensorFlow loop (floor)" in proc.stderr
-    assert f"ms of CPU per update ({1 + servers} processes)" in proc.stderr
-    assert "against the floor: Floor / tf_diffmap in one process" in proc.stderr
-    assert "against the floor: Floor updates/s / plain Keras steps/s" in proc.stderr
-    assert markdown.count("Against the floor") == 2  # the control workload's, the cluster's
+        line = _line(markdown, f"| {row['label']} |")
+        assert f"| {eps:,.0f}" in line and f"| {row['cpu_processes']} |" in line
+    assert targets["cluster_vs_in_process"]["measured"] == pytest.approx(
+        cluster[("tf_diffmap_cluster", batch)]["examples_per_second"]["median"]
+        / cluster[("tf_diffmap", batch)]["examples_per_second"]["median"]
+    )
+    if not results["tf_keras"]["available"]:
+        assert targets["cluster_vs_parameter_server"]["met"] is None
+        assert "tf-keras" in targets["cluster_vs_parameter_server"]["note"]
 
 
 @pytest.mark.slow
@@ -279,22 +494,25 @@ def test_device_gpu_on_a_host_without_one_says_so():
 def test_smoke_fault_timeline(tmp_path):
     """The fault timeline runs: a worker of 3 is killed, the others go on, a plot is drawn.
 
-    Its numbers mean nothing here (20 s; the restarted server may not even
+    Its numbers mean little here (20 s; the restarted server may not even
     serve in that time on a busy host), so only their shape is checked.
     """
-    plots = importlib.util.find_spec("matplotlib") is not None
-    proc, results = _run_suite(tmp_path, "--only", "fault_timeline", "--device", "cpu", plots=plots)
+    import importlib.util
 
+    plots = importlib.util.find_spec("matplotlib") is not None
+    _, results, markdown = _run_suite(
+        tmp_path, "--only", "fault_timeline", "--device", "cpu", plots=plots
+    )
     (row,) = results["fault_timeline"]
     assert row["workers"] == 3 and row["killed_worker"] == 2 and row["lost_replicas"] == [2]
     assert row["script_errors"] == []
     before, outage = row["windows"]["before"], row["windows"]["outage"]
-    assert before["examples_per_second"]["median"] > 0
-    assert outage["examples_per_second"]["median"] > 0  # the survivors went on
+    rate = _positive(before["examples_per_second"])
+    _positive(outage["examples_per_second"])  # the survivors went on
     # The killed worker did nothing (but what sampling smears into the first bin).
     killed = outage["replica_examples_per_second"][2]
     assert killed < 0.2 * before["replica_examples_per_second"][2]
-    assert row["delays"]["seconds_kill_to_lost"]["median"] is not None
+    assert row["delays"]["seconds_kill_to_lost"]["median"] > 0
     assert row["times_lost"][0] >= 1
     (timeline,) = row["timelines"]
     assert len(timeline["examples_per_second"]) >= 15  # one per second of the 20 s run
@@ -302,9 +520,9 @@ def test_smoke_fault_timeline(tmp_path):
 
     targets = {t["key"]: t for t in results["targets"]}
     assert targets["fault_outage"]["target"] == pytest.approx(2 / 3)
-    assert targets["fault_outage"]["met"] in (True, False)
-    assert "## Fault timeline" in (tmp_path / "results.md").read_text()
-    assert "fault timeline: examples/s before" in proc.stderr
+    assert targets["fault_outage"]["measured"] == pytest.approx(row["outage_share"]["median"])
+    assert _line(markdown, "| before (").startswith(f"| before (1 s to the kill) | {rate:,.0f} |")
+    assert _table(results, "Fault timeline: the worker's return")["rows"][0]["Value"]
     if plots:
         assert "fault_timeline.png" in results["figures"]
         assert (tmp_path / "fault_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -319,90 +537,14 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     full = plans.PRESETS["full"]
     deep = plans.with_cluster_model(full, "mlp_deep_bn")
     assert deep.cluster_model == "mlp_deep_bn"
-    assert "floor_cluster" in full.cluster_contenders
-    assert deep.cluster_contenders == tuple(
-        c for c in full.cluster_contenders if c != "floor_cluster"
-    )
+    assert deep.cluster_contenders == full.cluster_contenders
     sessions = plans._cluster_sessions(deep)
     assert {s["tasks"][0]["model"] for s in sessions} == {"mlp_deep_bn"}
-    assert plans.with_cluster_model(full, "mlp_wide").cluster_contenders == full.cluster_contenders
     with pytest.raises(ValueError, match="Unknown model"):
         plans.with_cluster_model(full, "resnet")
     model = build_model(keras, "mlp_deep_bn")
     assert len(model.weights) == 50
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
-
-
-def _fit_applies_every_shard(loops, x, y) -> None:
-    """Two epochs of 32 steps of Keras' `fit` feed the floor's loops, which
-    apply every shard queued: one update per shard, none lost or left."""
-    from benchmarks import workloads
-
-    loops.model.compile(steps_per_execution=2)
-    try:
-        loops.model.fit(workloads.dataset(x, y, 16), steps_per_epoch=32, epochs=2, verbose=0)
-    finally:
-        applied = loops.stop()
-    assert applied == 2 * 32 * len(loops.devices)
-    assert int(loops.queue.size()) == 0
-
-
-def test_control_floor_applies_every_shard_it_queued_as_sgd():
-    """The control workload's floor: Keras' loop queues shards, bare loops train on them."""
-    import keras
-    import tensorflow as tf
-
-    from benchmarks import floor, workloads
-
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    x, y = workloads.control_data(16 * 32, seed=1)
-    loops = floor.QueueLoops(keras, devices, 16, 0.05, features=8, steps_per_loop=4, seed=1)
-
-    def mse():
-        return float(tf.reduce_mean(tf.square(x @ loops.kernel + loops.bias - y)))
-
-    before = mse()
-    _fit_applies_every_shard(loops, x, y)
-    assert mse() < 0.2 * before  # SGD on the shards: the linear target is learned
-    # Each loop computes its gradients on its own device, as a replica step.
-    assert loops.gradient_devices == {
-        device: {tf.DeviceSpec.from_string(device).to_string()} for device in devices
-    }
-    # Placed as tf_diffmap's CPU replicas are: every gradient on the host.
-    host = tf.DeviceSpec.from_string(devices[0]).to_string()
-    placed = floor.QueueLoops(keras, devices, 16, 0.05, features=8, compute_devices=[host] * 4)
-    assert placed.gradient_devices == {device: {host} for device in devices}
-    with pytest.raises(ValueError, match="multiple of the devices"):
-        floor.QueueLoops(keras, devices, 18, 0.05, features=8)
-
-
-def test_keras_step_floor_runs_keras_train_step_on_every_shard():
-    """The Keras-step floor: each queued shard is one Keras train step, on its loop's device."""
-    import keras
-    import tensorflow as tf
-
-    from benchmarks import floor, workloads
-
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    x, y = workloads.control_data(16 * 32, seed=2)
-    loops = floor.QueueLoops(
-        keras, devices, 16, 0.05, features=8, steps_per_loop=4, seed=2, keras_step=True
-    )
-    stepping = loops.stepping_model
-
-    def mse():
-        return float(tf.reduce_mean(tf.square(stepping(x) - y)))
-
-    before = mse()
-    steps_before = int(stepping.optimizer.iterations)
-    _fit_applies_every_shard(loops, x, y)
-    # Keras' own optimizer stepped (its counter is shared without a lock by
-    # the loops, so it may count fewer) and trained the model on the shards.
-    assert int(stepping.optimizer.iterations) > steps_before
-    assert mse() < 0.2 * before
-    # The train step's forward and backward ops are on each loop's own device.
-    for device in devices:
-        assert tf.DeviceSpec.from_string(device).to_string() in loops.gradient_devices[device]
 
 
 def _convergence_row(accuracies, staleness=None):
@@ -425,11 +567,9 @@ def _convergence_row(accuracies, staleness=None):
 def test_convergence_verdict_names_what_the_default_fell_short_of(
     regime, default, none, verdict, met
 ):
-    from benchmarks.report import _convergence_verdict
-
     floor = 5.0 if regime == "high" else 1.0
     sync = _convergence_row([0.96, 0.96, 0.965])
-    got = _convergence_verdict(
+    got = report.convergence_verdict(
         regime, floor, _convergence_row(*default), sync, none and _convergence_row(none, 2.5)
     )
     assert got == (verdict, met)
@@ -467,27 +607,34 @@ def test_checkouts_refuses_no_rounds():
 def test_smoke_embeddings(tmp_path):
     """The embedding workload runs both contenders at both table sizes and
     reports its three targets from their rows."""
-    proc, results = _run_suite(tmp_path, "--only", "embeddings", "--device", "cpu")
+    _, results, markdown = _run_suite(tmp_path, "--only", "embeddings", "--device", "cpu")
     rows = results["embeddings"]
     assert {(r["contender"], r["rows"]) for r in rows} == {
         (c, n) for c in ("plain_keras", "tf_diffmap") for n in (2_000, 20_000)
     }
     for row in rows:
-        assert row["examples_per_second"] > 0
-        assert 0 <= row["val_accuracy"] <= row["best_val_accuracy"] <= 1
+        assert math.isfinite(row["examples_per_second"]) and row["examples_per_second"] > 0
+        assert 0 < row["val_accuracy"] <= row["best_val_accuracy"] <= 1
         assert (row["mean_staleness"] is None) == (row["contender"] == "plain_keras")
+        line = _line(
+            markdown, f"| sgd | {row['rows']:,} | {row['table_mb']:.1f} | {row['contender']} |"
+        )
+        assert f"| {row['examples_per_second']:,.0f} |" in line
+    assert len(_table(results, "Embeddings: cost per update")["rows"]) == 4
 
     def eps(contender, n):
         (row,) = [r for r in rows if r["contender"] == contender and r["rows"] == n]
         return row["examples_per_second"]
 
     targets = {t["key"]: t for t in results["targets"]}
-    assert targets["embedding_scaling"]["measured"] == pytest.approx(
-        eps("tf_diffmap", 20_000) / eps("tf_diffmap", 2_000)
-    )
+    assert set(targets) == {"embedding_scaling", "embedding_vs_keras", "embedding_accuracy"}
+    scaling = eps("tf_diffmap", 20_000) / eps("tf_diffmap", 2_000)
+    assert targets["embedding_scaling"]["measured"] == pytest.approx(scaling)
     assert targets["embedding_vs_keras"]["measured"] == pytest.approx(
         eps("tf_diffmap", 20_000) / eps("plain_keras", 20_000)
     )
     assert targets["embedding_accuracy"]["unit"] == " pt"
-    assert "## Embeddings" in (tmp_path / "results.md").read_text()
-    assert "embeddings: sgd, 20,000 rows, tf_diffmap" in proc.stderr
+    (row,) = _table(results, "Embeddings: examples/s at 20,000 rows")["rows"]
+    assert row["tf_diffmap"] == pytest.approx(scaling)
+    plain = eps("plain_keras", 20_000) / eps("plain_keras", 2_000)
+    assert f"| sgd | {plain:.2f}x | {scaling:.2f}x |" in markdown

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["LocalCluster", "parse_local_spec", "run_local"]
+__all__ = ["LocalCluster", "free_ports", "parse_local_spec", "run_local"]
 
 SERVER_JOBS = ("worker", "ps")
 LOCAL_EXAMPLE = "--local workers=2,ps=1"
@@ -57,8 +57,11 @@ class _Task:
         return self.process is not None and self.process.poll() is None
 
 
-def _free_ports(count: int, host: str) -> list[int]:
-    # All sockets are bound before any is closed, so the ports are distinct.
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free TCP ports of `host`.
+
+    All sockets are bound before any is closed, so the ports are distinct.
+    """
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
     try:
         for s in sockets:
@@ -140,7 +143,7 @@ class LocalCluster:
         self._failed = False
 
         counts = {"worker": workers, "ps": ps, "chief": 1 if chief else 0}
-        ports = iter(_free_ports(sum(counts.values()), host))
+        ports = iter(free_ports(sum(counts.values()), host))
         self._spec = {
             job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in counts.items() if n
         }
