@@ -3,7 +3,7 @@
 tf-keras' ParameterServerStrategy runs in a Python of its own, whose server
 processes need nothing but TensorFlow: `LocalServers` starts one
 `python -m benchmarks.servers` process per worker and ps task, with the
-habits of `tf_diffmap.local_cluster.LocalCluster` (its `free_ports` of
+habits of `tf_diffmap.cluster.LocalCluster` (its `free_ports` of
 127.0.0.1, a session of its own, exit when standard input closes), and stops
 exactly the processes it started, by their handles. Nothing here imports
 TensorFlow until a server runs.
@@ -56,7 +56,7 @@ class LocalServers:
         env: dict[str, str] | None = None,
     ):
         # Imported here: the servers' own processes need no tf_diffmap.
-        from tf_diffmap.local_cluster import free_ports
+        from tf_diffmap.cluster.local import free_ports
 
         ports = iter(free_ports(workers + ps + 1, host))
         self.cluster_spec = {
