@@ -76,15 +76,9 @@ class LocalServers:
 
     def resolver(self):
         """The chief's cluster resolver (imports TensorFlow)."""
-        import tensorflow as tf
+        from tf_diffmap.cluster.local import chief_resolver
 
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster_spec),
-            master=self.cluster_spec["chief"][0],
-            task_type="chief",
-            task_id=0,
-            rpc_layer="grpc",
-        )
+        return chief_resolver(self.cluster_spec)
 
     def start(self) -> LocalServers:
         self._log_dir = Path(tempfile.mkdtemp(prefix="benchmark_servers_"))

@@ -272,14 +272,8 @@ def _api_flow(strategy, kernel, run, seen):
         seen["read"] = extended.read_var(kernel)
         seen["facts"] = {
             name: getattr(extended, name)
-            for name in (
-                "worker_devices",
-                "parameter_devices",
-                "experimental_between_graph",
-                "experimental_should_init",
-                "should_checkpoint",
-                "should_save_summary",
-            )
+            for name in checks.PUBLIC_OVERRIDES
+            if isinstance(getattr(type(extended), name, None), property)
         }
 
     run("tf.distribute API", api)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["LocalCluster", "free_ports", "parse_local_spec", "run_local"]
+__all__ = ["LocalCluster", "chief_resolver", "free_ports", "parse_local_spec", "run_local"]
 
 SERVER_JOBS = ("worker", "ps")
 LOCAL_EXAMPLE = "--local workers=2,ps=1"
@@ -55,6 +55,21 @@ class _Task:
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+def chief_resolver(
+    spec: dict[str, list[str]],
+) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+    """The cluster resolver of the chief task of the cluster `spec`."""
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec),
+        # A master address that is not local is what makes
+        # `tf.config.experimental_connect_to_cluster` connect at all.
+        master=spec["chief"][0],
+        task_type="chief",
+        task_id=0,
+        rpc_layer="grpc",
+    )
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -183,15 +198,7 @@ class LocalCluster:
             ValueError: the cluster was made with `chief=False`.
         """
         self._check_task("chief", 0)
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self._spec),
-            # A master address that is not local is what makes
-            # `tf.config.experimental_connect_to_cluster` connect at all.
-            master=self._spec["chief"][0],
-            task_type="chief",
-            task_id=0,
-            rpc_layer="grpc",
-        )
+        return chief_resolver(self._spec)
 
     # -- the processes -----------------------------------------------------
 
