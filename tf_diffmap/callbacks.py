@@ -198,16 +198,19 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             training begins, a model that is not trained by a
             `tf_diffmap.Strategy`.
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, tf_diffmap
         >>> strategy = tf_diffmap.Strategy()
         >>> with strategy.scope():
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
         >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
-        >>> callbacks = [keras.callbacks.TensorBoard("/tmp/logs"),
-        ...              tf_diffmap.StalenessTensorBoard("/tmp/logs")]
+        >>> callbacks = [keras.callbacks.TensorBoard("logs"),
+        ...              tf_diffmap.StalenessTensorBoard("logs")]
         >>> _ = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+        >>> import os
+        >>> sorted(os.listdir("logs"))  # Keras' run, and the callback's own
+        ['staleness', 'train']
     """
 
     def __init__(

@@ -57,9 +57,12 @@ def split_devices(
         RuntimeError: TensorFlow has already initialized its devices with
             another configuration.
 
-    Example:
+    Once TensorFlow has initialized its devices, a call with the same split
+    returns the same devices, and a call with another raises `RuntimeError`.
+
+    Examples:
         >>> import tf_diffmap
-        >>> tf_diffmap.split_devices(4, "CPU")  # doctest: +SKIP
+        >>> tf_diffmap.split_devices(4, "CPU")
         ['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']
     """
     if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -102,7 +105,20 @@ def split_devices(
 
 
 def default_replica_devices() -> list[str]:
-    """Every logical GPU, or where there is none, every logical CPU device."""
+    """Every logical GPU, or where there is none, every logical CPU device.
+
+    These are the replica devices of a `Strategy()` given no `devices`, one
+    replica each (with `replicas_per_device=1`).
+
+    Returns:
+        The devices' names.
+
+    Examples:
+        >>> import tf_diffmap
+        >>> devices = tf_diffmap.default_replica_devices()
+        >>> tf_diffmap.Strategy().replica_devices == tuple(devices)
+        True
+    """
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     return [d.name for d in devices]

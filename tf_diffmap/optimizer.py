@@ -182,7 +182,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         ValueError: an unknown rule, `"drop"` without `drop_above`, a bad
             value, or an argument that belongs on the inner optimizer.
 
-    Example:
+    Examples:
         >>> import keras, tf_diffmap
         >>> strategy = tf_diffmap.Strategy()
         >>> with strategy.scope():
@@ -190,6 +190,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         ...     optimizer = tf_diffmap.AsyncOptimizer(
         ...         keras.optimizers.Adam(1e-3), staleness="inverse")
         ...     model.compile(optimizer=optimizer, loss="mse")
+        >>> optimizer.rule
+        'inverse'
     """
 
     def __init__(
@@ -269,7 +271,17 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     @property
     def rule(self) -> str | Callable:
-        """The rule that applies: `staleness`, with `"auto"` resolved."""
+        """The rule that applies: `staleness`, with `"auto"` resolved.
+
+        Examples:
+            >>> import keras, tf_diffmap
+            >>> tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)).rule
+            'linear'
+            >>> tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1)).rule
+            'gap'
+            >>> tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(1e-3)).rule
+            'none'
+        """
         if self.staleness != "auto":
             return self.staleness
         if find_in_chain(self.inner_optimizer, keras.optimizers.SGD) is None:
@@ -319,10 +331,12 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
+        """This optimizer's variables (its rule's state), then the inner optimizer's."""
         return self._variables + self.inner_optimizer.variables
 
     @property
     def learning_rate(self):
+        """The inner optimizer's learning rate (or schedule); setting it sets the inner one's."""
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
@@ -331,6 +345,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     @property
     def iterations(self):
+        """The inner optimizer's count of the updates it applied."""
         return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):

@@ -48,7 +48,9 @@ class RowPartitioner:
     tasks (a cluster with several ps tasks). Like `tf.distribute`'s
     `MinSizePartitioner`: as many shards as the variable holds
     `min_shard_bytes`, at most `max_shards` (and, in the store, at most one
-    per parameter device).
+    per parameter device). Called with a variable's shape and dtype, it
+    returns that variable's number of shards, as `Strategy`'s
+    `variable_partitioner` takes it.
 
     Args:
         min_shard_bytes: the smallest shard, in bytes (default 256 KiB).
@@ -58,10 +60,14 @@ class RowPartitioner:
     Raises:
         ValueError: an argument that is not a positive int.
 
-    Example:
+    Examples:
         >>> import tf_diffmap
-        >>> tf_diffmap.RowPartitioner()([100_000, 16], "float32")
+        >>> tf_diffmap.RowPartitioner()([100_000, 16], "float32")  # 6.4 MB
         24
+        >>> tf_diffmap.RowPartitioner(max_shards=4)([100_000, 16], "float32")
+        4
+        >>> tf_diffmap.RowPartitioner()([1_000, 16], "float32")  # 64 KB: not split
+        1
     """
 
     def __init__(self, min_shard_bytes: int = MIN_SHARD_BYTES, max_shards: int | None = None):

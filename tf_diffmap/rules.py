@@ -41,6 +41,16 @@ def staleness_bound(num_replicas: int, max_staleness: int) -> int:
 
     Returns:
         `(num_replicas - 1) * (2 * max_staleness + 1)`.
+
+    Raises:
+        ValueError: `num_replicas` below 1 or `max_staleness` below 0.
+
+    Examples:
+        >>> import tf_diffmap
+        >>> tf_diffmap.staleness_bound(num_replicas=4, max_staleness=0)
+        3
+        >>> tf_diffmap.staleness_bound(num_replicas=4, max_staleness=2)
+        15
     """
     if num_replicas < 1 or max_staleness < 0:
         raise ValueError(

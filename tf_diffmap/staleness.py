@@ -20,6 +20,9 @@ __all__ = ["StalenessStats"]
 class StalenessStats:
     """Counters of the parameter store at one moment.
 
+    `Strategy.statistics()` returns one; `str()` of it is a summary per
+    replica, and `since` takes the counts between two of them.
+
     Attributes:
         version: updates the store has applied in all.
         updates: per replica, updates applied.
@@ -37,6 +40,25 @@ class StalenessStats:
         abandoned: claimed versions whose step never completed (interrupted
             by a lost worker, or by an error); version = completed updates
             + abandoned, once nothing is in flight.
+
+    Examples:
+        >>> import numpy as np, tf_diffmap
+        >>> stats = tf_diffmap.StalenessStats(
+        ...     version=6,
+        ...     updates=np.array([4, 2]),
+        ...     dropped=np.array([0, 0]),
+        ...     staleness_sum=np.array([2, 4]),
+        ...     staleness_max=np.array([1, 3]),
+        ...     histogram=np.array([[2, 2, 0, 0], [0, 1, 0, 1]]),
+        ... )
+        >>> stats.mean_staleness
+        array([0.5, 2. ])
+        >>> stats.overall_mean_staleness
+        1.0
+        >>> print(stats)
+        store version 6; mean staleness 1.00, max 3; momentum added by asynchrony 0.50
+          replica 0: 4 updates (66.7%), mean staleness 0.50, max 1
+          replica 1: 2 updates (33.3%), mean staleness 2.00, max 3
     """
 
     version: int
@@ -51,6 +73,7 @@ class StalenessStats:
 
     @property
     def num_replicas(self) -> int:
+        """The number of replicas counted."""
         return len(self.updates)
 
     @property
@@ -62,11 +85,13 @@ class StalenessStats:
 
     @property
     def overall_mean_staleness(self) -> float:
+        """The mean staleness of every applied update, all replicas together (0 if none)."""
         total = int(np.sum(self.updates))
         return float(np.sum(self.staleness_sum)) / total if total else 0.0
 
     @property
     def overall_max_staleness(self) -> int:
+        """The largest staleness of an applied update, all replicas together."""
         return int(np.max(self.staleness_max)) if len(self.staleness_max) else 0
 
     @property
@@ -90,8 +115,11 @@ class StalenessStats:
 
     @property
     def work_share(self) -> np.ndarray:
-        """Per replica, its fraction of the work: updates it computed, whether
-        applied or dropped by a staleness rule."""
+        """Per replica, its fraction of the work.
+
+        The work of a replica is the updates it computed, whether applied or
+        dropped by a staleness rule.
+        """
         work = np.asarray(self.updates, dtype=np.float64) + np.asarray(
             self.dropped, dtype=np.float64
         )
@@ -101,7 +129,14 @@ class StalenessStats:
     def since(self, earlier: StalenessStats) -> StalenessStats:
         """The counts between `earlier` and this snapshot.
 
-        `staleness_max` cannot be differenced, so it stays the running maximum.
+        `staleness_max` cannot be differenced, so it stays the running maximum
+        (`interval_max_staleness` is the interval's own).
+
+        Args:
+            earlier: a snapshot of the same store, taken before this one.
+
+        Returns:
+            The difference, as `StalenessStats`.
         """
         return StalenessStats(
             version=self.version - earlier.version,
@@ -121,9 +156,12 @@ class StalenessStats:
 
     @property
     def interval_max_staleness(self) -> np.ndarray:
-        """Per replica, the largest staleness in `histogram` (the last bin
-        stands for itself and above). Unlike `staleness_max`, this is exact
-        for a difference of snapshots (`since`); dropped updates count too."""
+        """Per replica, the largest staleness in `histogram`.
+
+        The last bin stands for itself and above. Unlike `staleness_max`, this
+        is exact for a difference of snapshots (`since`); dropped updates
+        count too.
+        """
         hist = np.asarray(self.histogram)
         out = np.zeros(hist.shape[0], dtype=np.int64)
         for r, row in enumerate(hist):

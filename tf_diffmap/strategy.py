@@ -403,7 +403,7 @@ class Strategy(_tf_internal.StrategyBase):
         ValueError: an unknown or missing device, an empty device list, or an
             out-of-range option; the message names the value received.
 
-    Example:
+    Examples:
         >>> import keras, numpy as np, tf_diffmap
         >>> strategy = tf_diffmap.Strategy()
         >>> with strategy.scope():
@@ -411,8 +411,9 @@ class Strategy(_tf_internal.StrategyBase):
         ...     model.compile(optimizer="sgd", loss="mse")
         >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
         >>> _ = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-        >>> strategy.version
-        4
+        >>> # 4 batches, each split into a shard per replica: an update per shard.
+        >>> strategy.version == 4 * len(strategy.replica_devices)
+        True
     """
 
     def __init__(
@@ -486,10 +487,15 @@ class Strategy(_tf_internal.StrategyBase):
     def scope(self):
         """`tf.distribute.Strategy.scope`, with a clear error for a foreign optimizer.
 
-        Keras builds a model's optimizer inside this scope when `fit` starts;
-        an optimizer created before the scope was entered makes its variables
-        under another strategy there, which TensorFlow refuses with an error
-        about mixed strategies.
+        Build and compile the model, and create its optimizer, inside it: its
+        variables go to the parameter store. Keras builds a model's optimizer
+        inside this scope when `fit` starts; an optimizer created before the
+        scope was entered makes its variables under another strategy there,
+        which TensorFlow refuses with an error about mixed strategies.
+
+        Raises:
+            ValueError: instead of that error, one that says how to create the
+                optimizer.
         """
         with super().scope():
             try:

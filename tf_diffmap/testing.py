@@ -32,7 +32,7 @@ class ReplicaDelay(keras.layers.Layer):
         replicas: the replica ids to slow (replica 0 by default).
         **kwargs: passed to `keras.layers.Layer`.
 
-    Example:
+    Examples:
         >>> import keras, tf_diffmap
         >>> layer = tf_diffmap.testing.ReplicaDelay(0.02, replicas=[0])
         >>> model = keras.Sequential([keras.Input((4,)), layer, keras.layers.Dense(1)])

@@ -5,14 +5,18 @@ on `/job:ps` tasks, all reached through `tf.distribute.Server` and gRPC, as
 `ParameterServerStrategy` does. The client (`chief`) runs `model.fit`; its
 worker threads call each replica's step on its remote device.
 
-On every worker and parameter-server machine, start a server::
+On every worker and parameter-server machine, start a server:
 
-    TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' \\
-        python -m tf_diffmap.cluster
+```sh
+TF_CONFIG='{"cluster": {...}, "task": {"type": "worker", "index": 0}}' \\
+    python -m tf_diffmap.cluster
+```
 
-and on the client, with the same cluster and task type `chief`::
+and on the client, with the same cluster and task type `chief`:
 
-    strategy = tf_diffmap.cluster.strategy_for_cluster()
+```python
+strategy = tf_diffmap.cluster.strategy_for_cluster()
+```
 
 A server runs until its process is stopped (Ctrl-C or SIGTERM). To try a
 cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`

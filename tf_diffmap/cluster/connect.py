@@ -17,8 +17,8 @@ __all__ = ["CONNECT_TIMEOUT", "connect", "fail_fast", "resolve_cluster", "strate
 
 CLIENT_JOBS = ("chief", "client", "evaluator")
 
-# How long `connect` waits for every worker and ps task to serve.
 CONNECT_TIMEOUT = 60.0
+"""Seconds `connect` waits for every worker and ps task to serve, by default."""
 
 
 def fail_fast() -> None:
@@ -142,6 +142,13 @@ def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT
         The strategy; variables are sharded over the ps tasks, and with
         several ps tasks a large one (an embedding table) is split by rows
         over them (`Strategy(variable_partitioner=...)`).
+
+    Raises:
+        ValueError: no cluster, a cluster without `worker` or `ps` tasks, a
+            task type that is not a client job, or a `Strategy` option out of
+            range.
+        tf.errors.UnavailableError: tasks that did not serve within
+            `connect_timeout`, named with their addresses.
     """
     # Imported here: the engine imports this package (its faults and inputs)
     # when it trains on a cluster, and the package does not import the engine

@@ -122,7 +122,11 @@ class LocalCluster:
     Raises:
         ValueError: a count below 1 or a `cpus_per_worker` below 1.
 
-    Example:
+    Examples:
+        Not run with the docstrings' tests: connecting makes the process the
+        cluster's chief for good, so `tests/test_cluster.py` runs this in a
+        chief process of its own.
+
         >>> from tf_diffmap import cluster
         >>> with cluster.LocalCluster(workers=2, ps=1) as local:  # doctest: +SKIP
         ...     strategy = cluster.strategy_for_cluster(local.resolver())
@@ -203,8 +207,12 @@ class LocalCluster:
     # -- the processes -----------------------------------------------------
 
     def exits(self) -> dict[tuple[str, int], str]:
-        """Per started task whose process has exited, by `(task_type, index)`:
-        a line that says how, and where its stderr is."""
+        """Per started task whose process has exited, a line that says how.
+
+        Returns:
+            By `(task_type, index)`, how the task's process exited and where
+            its stderr is.
+        """
         return {
             key: (
                 f"{task.name} (pid {task.process.pid}) exited with code "
@@ -451,7 +459,8 @@ def parse_local_spec(text: str) -> dict[str, int]:
         ValueError: an item that is not `job=count`, an unknown job, a job
             given twice, or a count that is not an integer of at least 1.
 
-    Example:
+    Examples:
+        >>> from tf_diffmap.cluster import parse_local_spec
         >>> parse_local_spec("workers=3,ps=2")
         {'workers': 3, 'ps': 2}
     """
