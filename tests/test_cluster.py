@@ -55,7 +55,7 @@ def start_bystander():
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 
 
-# The README's example: the chief's process starts the cluster and trains on it.
+# The example of docs/cluster.md: the chief's process starts the cluster and trains on it.
 CLIENT = textwrap.dedent(
     """
     import json, os

@@ -4,7 +4,7 @@ Chromium loads the tab twice from the TensorBoard that
 `test_tensorboard_plugin.shared_tensorboard` serves: as a page of its own
 (`/data/plugin/staleness/index.html`, the same ES module TensorBoard loads),
 whose DOM is checked for the charts; and inside TensorBoard itself
-(`/#staleness`), as a screenshot. The README's screenshot is made the same way:
+(`/#staleness`), as a screenshot. The documentation's screenshot is made the same way:
 
     python -m tests.test_dashboard_render docs/staleness_tab.png
 """

@@ -87,7 +87,7 @@ def test_model_built_outside_the_scope_is_refused(optimizer):
         compile_logits(model, optimizer())
     x, y = classification_data(64)
     # Not TensorFlow's 'Need to be inside "with strategy.scope()"', which
-    # `fit` (run outside the scope, as the README says) would make no sense of.
+    # `fit` (run outside the scope, as the documentation says) would make no sense of.
     with pytest.raises(ValueError, match=r"(created outside|not created under) this tf_diffmap"):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     with pytest.raises(ValueError, match=r"Build (and compile )?the model"):

@@ -566,7 +566,8 @@ class Strategy(_tf_internal.StrategyBase):
         multiplies them by N, MEAN leaves them; with an axis, the reduction
         first runs over that axis of the one step's value. A whole batch's
         outputs (a step that applies no update) are left as they are. See
-        `tf_diffmap.outputs` and the README's "Custom training loops".
+        `tf_diffmap.outputs` and the documentation's "Custom training
+        loops".
 
         Args:
             reduce_op: `tf.distribute.ReduceOp.SUM` or `MEAN`, or its name.

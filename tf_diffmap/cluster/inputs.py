@@ -90,7 +90,7 @@ class WorkerInput:
                     f"{_first_line(error.message)} Build it from a function "
                     "instead, on each worker: "
                     "strategy.distribute_datasets_from_function(lambda context: ...) "
-                    "(see the README, 'Where the input is built')."
+                    "(see 'Where the input is built' in docs/cluster.md)."
                 ) from error
             self.datasets = [self._pipeline(i) if i in live else None for i in range(num_workers)]
             cardinality = int(dataset.cardinality())
