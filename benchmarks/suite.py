@@ -169,6 +169,9 @@ def run_session(
         env["TF_NUM_INTEROP_THREADS"] = str(inter_op_threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # A crash inside TensorFlow then leaves the Python stacks of every thread
+    # in the session's stderr tail.
+    env["PYTHONFAULTHANDLER"] = "1"
     if CONTENDERS[config["contender"]].legacy:
         env["TF_USE_LEGACY_KERAS"] = "1"
     else:

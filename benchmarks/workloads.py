@@ -274,7 +274,7 @@ def replica_delay(keras: ModuleType, seconds: float, legacy: bool = False, repli
     """The straggler: a layer that sleeps on the given replicas in training.
 
     Under Keras 3 this is `tf_diffmap.testing.ReplicaDelay`; under tf-keras an
-    equivalent layer (same logic: a `tf.py_function` keyed on
+    equivalent layer (same logic: a `tf.numpy_function` keyed on
     `replica_id_in_sync_group`), since the package's layer is a Keras 3 layer.
     The sleep can be changed after tracing through the layer's `seconds`; it
     is traced in only when `seconds` is non-zero at trace time.
@@ -311,7 +311,7 @@ def _legacy_replica_delay(keras: ModuleType) -> type:
                 return inputs
             context = tf.distribute.get_replica_context()
             replica_id = context.replica_id_in_sync_group if context is not None else 0
-            slept = tf.py_function(self._sleep, [replica_id], tf.bool, name="replica_delay")
+            slept = tf.numpy_function(self._sleep, [replica_id], tf.bool, name="replica_delay")
             with tf.control_dependencies([slept]):
                 return tf.identity(inputs)
 

@@ -348,7 +348,7 @@ class HangOnce(keras.layers.Layer):
             return False
 
     def call(self, x):
-        block = tf.py_function(self._claim, [], tf.bool)
+        block = tf.numpy_function(self._claim, [], tf.bool)
         block.set_shape([])
         waited = tf.cond(block, self.gate.dequeue, lambda: tf.constant(0.0))
         return x + waited

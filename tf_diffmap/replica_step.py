@@ -14,6 +14,7 @@ other runs whole, synchronously, on the first replica's device.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ReplicaStep",
     "batch_size",
+    "eager_py_functions",
     "in_clean_thread",
     "is_tensor",
     "run_eagerly",
@@ -167,6 +169,8 @@ class ReplicaStep:
                 ) from error
             raise
         self.concrete = self.concretes[runtime.compute_devices[0]]
+        if self.trains:
+            _warn_of_py_functions(self.concrete)
 
     # -- tracing -------------------------------------------------------------
 
@@ -264,3 +268,38 @@ class ReplicaStep:
     def _drain(self):
         self.runtime.drain_from_graph()
         return True
+
+
+def eager_py_functions(concrete) -> list[str]:
+    """The names of the `tf.py_function` ops (`EagerPyFunc`) in a traced
+    function, those of the functions it calls included."""
+    graph_def = concrete.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sorted(node.name for node in nodes if node.op == "EagerPyFunc")
+
+
+def _warn_of_py_functions(concrete) -> None:
+    """Warns of `tf.py_function` ops in an update step.
+
+    Each call of a `tf.py_function` makes an eager executor for its thread
+    and frees it on return, and TensorFlow's `async_wait` (which Keras calls
+    at the end of every epoch, while the replicas still run) reads every
+    thread's executor without holding a lock: now and then it reads one just
+    freed, and the process aborts ("Mutex corrupt"), crashes or hangs.
+    `tf.numpy_function` makes no executor.
+    """
+    names = eager_py_functions(concrete)
+    if names:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        warnings.warn(
+            f"The training step runs {len(names)} tf.py_function op(s) ({shown}). "
+            "Under tf_diffmap.Strategy the replicas run them while Keras waits "
+            "for TensorFlow's executors at the end of each epoch, and a "
+            "tf.py_function call at that moment can abort the process "
+            '("Mutex corrupt"), crash it or hang it. Use tf.numpy_function, '
+            "whose function takes and returns NumPy arrays and has no such hazard.",
+            UserWarning,
+            stacklevel=2,
+        )

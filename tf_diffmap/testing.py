@@ -21,11 +21,12 @@ __all__ = ["ReplicaDelay"]
 class ReplicaDelay(keras.layers.Layer):
     """Identity layer that sleeps `seconds` per training step on some replicas.
 
-    The sleep is a `tf.py_function` op, so while it sleeps it holds one of
+    The sleep is a `tf.numpy_function` op, so while it sleeps it holds one of
     TensorFlow's inter-op threads, which a slow device would not: on a host
     with few inter-op threads (one per core by default) the other replicas'
     ops have fewer threads meanwhile. Set `TF_NUM_INTEROP_THREADS` higher to
-    take that out of a measurement.
+    take that out of a measurement. It is not a `tf.py_function`, which can
+    crash the process while replicas run (see Troubleshooting).
 
     Args:
         seconds: how long each training step of a slowed replica sleeps.
@@ -55,7 +56,7 @@ class ReplicaDelay(keras.layers.Layer):
             return inputs
         context = tf.distribute.get_replica_context()
         replica_id = context.replica_id_in_sync_group if context is not None else 0
-        slept = tf.py_function(self._sleep, [replica_id], tf.bool, name="replica_delay")
+        slept = tf.numpy_function(self._sleep, [replica_id], tf.bool, name="replica_delay")
         with tf.control_dependencies([slept]):
             return tf.identity(inputs)
 
