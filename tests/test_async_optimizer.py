@@ -27,6 +27,10 @@ def summed_output(y_true, y_pred):
 
 
 def train_constant(optimizer_fn, **strategy_kwargs):
+    """Two epochs of a constant gradient. By default every shard's gradient
+    is a step of its own (`gradients_per_step=1`), where the per-update
+    rules apply."""
+    strategy_kwargs.setdefault("gradients_per_step", 1)
     strategy = tf_diffmap.Strategy(**strategy_kwargs)
     with strategy.scope():
         model = constant_gradient_model()
@@ -108,7 +112,7 @@ def test_config_round_trip():
 
 def test_model_with_async_optimizer_saves_and_loads(tmp_path):
     x, y = classification_data(256)
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(gradients_per_step=1)
     with strategy.scope():
         model = mlp()
         compile_logits(
@@ -258,9 +262,11 @@ def test_callable_rule_sets_the_learning_rate_factor():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_mixed_precision_keeps_updates_exact(policy, wrapped):
-    """Loss scaling (float16) is undone before the update, and only that."""
+@pytest.mark.parametrize(
+    "wrapped, per_step", [(False, 1), (True, 1), (False, "auto")], ids=["plain", "linear", "steps"]
+)
+def test_mixed_precision_keeps_updates_exact(policy, wrapped, per_step):
+    """Loss scaling (float16) is undone before the update (or the push), and only that."""
     keras.mixed_precision.set_global_policy(policy)
     try:
 
@@ -268,18 +274,21 @@ def test_mixed_precision_keeps_updates_exact(policy, wrapped):
             sgd = keras.optimizers.SGD(LR)
             return tf_diffmap.AsyncOptimizer(sgd, staleness="linear") if wrapped else sgd
 
-        strategy, model = train_constant(optimizer)
+        strategy, model = train_constant(optimizer, gradients_per_step=per_step)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     if policy == "mixed_float16":
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     updates = strategy.version
     assert updates == 2 * 16 * 4
-    # Wrapped with "linear": every step divided by the 4 replicas, exactly.
-    step = LR / 4 if wrapped else LR
-    np.testing.assert_array_equal(
-        model.get_weights()[0], np.full((4, 3), -step * updates, "float32")
-    )
+    if per_step == 1:
+        # Wrapped with "linear": every step divided by the 4 replicas, exactly.
+        moved = (LR / 4 if wrapped else LR) * updates
+    else:
+        # Each step is the batch's gradient, once: the constant one.
+        assert strategy.statistics().steps == 2 * 16
+        moved = LR * 2 * 16
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -moved, "float32"))
 
 
 @pytest.mark.parametrize(
@@ -314,11 +323,13 @@ def test_bounded_staleness_is_never_exceeded(bound, colocate):
     assert max(waited[1:]) > 0
 
 
-def test_skipped_float16_steps_claim_no_version():
-    """A loss-scaled step with non-finite gradients applies nothing, claims nothing."""
+@pytest.mark.parametrize("per_step", [1, "auto"])
+def test_skipped_float16_steps_claim_no_version(per_step):
+    """A loss-scaled step with non-finite gradients applies (or pushes)
+    nothing, claims nothing."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        strategy = tf_diffmap.Strategy()
+        strategy = tf_diffmap.Strategy(gradients_per_step=per_step)
         with strategy.scope():
             model = keras.Sequential(
                 [
@@ -339,7 +350,13 @@ def test_skipped_float16_steps_claim_no_version():
     assert store.completed_claims() == strategy.version
     weights = model.get_weights()[0]
     assert np.all(np.isfinite(weights))
-    np.testing.assert_array_equal(weights, np.full((4, 3), -LR * strategy.version, "float32"))
+    # Per shard, each update moved LR; aggregated, each step did (a step's
+    # gradient is the batch's, whatever its number of gradients).
+    steps = strategy.statistics().steps
+    moved = LR * (strategy.version if per_step == 1 else steps)
+    if per_step != 1:
+        assert 0 < steps < strategy.version
+    np.testing.assert_array_equal(weights, np.full((4, 3), -moved, "float32"))
 
 
 def test_loss_scale_is_read_once_per_replica_step():

@@ -341,7 +341,8 @@ def test_lost_replicas_are_marked_from_the_first_loss(tmp_path):
 
 def test_rule_series_follow_the_async_optimizer(tmp_path):
     x, y = classification_data(n=512)
-    strategy = tf_diffmap.Strategy()
+    # A learning-rate rule applies where every shard's gradient is a step.
+    strategy = tf_diffmap.Strategy(gradients_per_step=1)
     with strategy.scope():
         model = keras.Sequential(
             [

@@ -10,19 +10,26 @@ import pytest
 
 import tf_diffmap
 
+# Per rule: the `AsyncOptimizer`'s arguments (None: the plain optimizer) and
+# the strategy's. The per-update rules apply where every shard's gradient is
+# a step of its own; the others run with the default aggregation.
+PER_SHARD = {"gradients_per_step": 1}
 RULES = {
-    "plain optimizer": None,
-    "none": {"staleness": "none"},
-    "inverse": {"staleness": "inverse"},
-    "dc": {"staleness": "dc"},
-    "drop": {"staleness": "drop", "drop_above": 6},
+    "plain optimizer": (None, {}),
+    "none": ({"staleness": "none"}, {}),
+    "drop": ({"staleness": "drop", "drop_above": 6}, {}),
+    "stale steps dropped": (None, {"max_step_staleness": 1}),
+    "plain optimizer per shard": (None, PER_SHARD),
+    "inverse": ({"staleness": "inverse"}, PER_SHARD),
+    "dc": ({"staleness": "dc"}, PER_SHARD),
 }
 
 
 @pytest.mark.parametrize("rule", RULES)
 def test_rule_converges_with_a_straggler(rule, digits):
     x, y, x_val, y_val = digits
-    strategy = tf_diffmap.Strategy()
+    wrapper, strategy_kwargs = RULES[rule]
+    strategy = tf_diffmap.Strategy(**strategy_kwargs)
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -33,8 +40,8 @@ def test_rule_converges_with_a_straggler(rule, digits):
             ]
         )
         optimizer = keras.optimizers.Adam(3e-3)
-        if RULES[rule] is not None:
-            optimizer = tf_diffmap.AsyncOptimizer(optimizer, **RULES[rule])
+        if wrapper is not None:
+            optimizer = tf_diffmap.AsyncOptimizer(optimizer, **wrapper)
         model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(x, y, batch_size=64, epochs=8, verbose=0)
     accuracy = model.evaluate(x_val, y_val, verbose=0)[1]

@@ -430,11 +430,14 @@ def test_a_saved_model_export_says_how_to_export_a_split_table(tmp_path):
         model.export(str(tmp_path / "exported"))
 
 
-def test_no_row_increment_is_lost_on_either_shard_with_four_replicas():
+@pytest.mark.parametrize("per_step", [1, "auto"], ids=["per_shard", "aggregated"])
+def test_no_row_increment_is_lost_on_either_shard_with_four_replicas(per_step):
     """Every example looks up rows 0..15 of 24, on both shards; each update
-    subtracts exactly, as in tests/test_sparse.py."""
+    (or aggregated step) subtracts exactly, as in tests/test_sparse.py."""
     rows, lr = 24, 0.125
-    strategy = tf_diffmap.Strategy(parameter_device=PS, variable_partitioner=SPLIT)
+    strategy = tf_diffmap.Strategy(
+        parameter_device=PS, variable_partitioner=SPLIT, gradients_per_step=per_step
+    )
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -451,6 +454,9 @@ def test_no_row_increment_is_lost_on_either_shard_with_four_replicas():
     model.fit(x, np.zeros((1024, IDS, 4), "float32"), batch_size=64, epochs=2, verbose=0)
     updates = strategy.version
     assert updates == 2 * (1024 // 64) * 4
+    steps = updates if per_step == 1 else strategy.statistics().steps
+    if per_step != 1:
+        assert steps == updates // 4
     table = model.get_weights()[0]
-    np.testing.assert_array_equal(table[:IDS], np.full((IDS, 4), -updates * lr, "float32"))
+    np.testing.assert_array_equal(table[:IDS], np.full((IDS, 4), -steps * lr, "float32"))
     np.testing.assert_array_equal(table[IDS:], 0.0)

@@ -38,9 +38,15 @@ class ScalarLossStep(keras.Model):
         return {"loss": loss}
 
 
-@pytest.mark.parametrize("colocate", [True, False], ids=["on_cpu0", "own_devices"])
-def test_no_update_is_lost_with_eight_contending_replicas(colocate):
-    strategy = tf_diffmap.Strategy(replicas_per_device=2, colocate_cpu_replicas=colocate)
+@pytest.mark.parametrize(
+    "colocate, per_step",
+    [(True, 1), (False, 1), (True, "auto"), (False, "auto")],
+    ids=["on_cpu0", "own_devices", "on_cpu0_aggregated", "own_devices_aggregated"],
+)
+def test_no_update_is_lost_with_eight_contending_replicas(colocate, per_step):
+    strategy = tf_diffmap.Strategy(
+        replicas_per_device=2, colocate_cpu_replicas=colocate, gradients_per_step=per_step
+    )
     assert strategy.num_replicas_in_sync == 8
     with strategy.scope():
         model = constant_gradient_model()
@@ -49,14 +55,21 @@ def test_no_update_is_lost_with_eight_contending_replicas(colocate):
     model.fit(x, y, batch_size=64, epochs=3, verbose=0)
     updates = strategy.version
     assert updates == 3 * (1024 // 64) * 8
-    expected = -updates * LR
-    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), expected, "float32"))
-    assert int(model.optimizer.iterations.numpy()) == updates
     assert int(strategy.statistics().updates.sum()) == updates
+    # Each update moves LR per weight; aggregated, each step does (the sum
+    # of 8 pushes of an eighth of that each), one step per batch.
+    steps = updates if per_step == 1 else 3 * (1024 // 64)
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((4, 3), -steps * LR, "float32"))
+    assert int(model.optimizer.iterations.numpy()) == steps
 
 
-def test_scalar_loss_is_not_rescaled():
-    strategy = tf_diffmap.Strategy()
+@pytest.mark.parametrize("per_step", [1, "auto"], ids=["per_shard", "aggregated"])
+def test_scalar_loss_is_not_rescaled(per_step):
+    """A custom step's scalar loss is the replica's, as under any
+    tf.distribute strategy: per shard each update moves by its gradient;
+    aggregated, a step sums its replicas' gradients, as MirroredStrategy's
+    all-reduce does."""
+    strategy = tf_diffmap.Strategy(gradients_per_step=per_step)
     with strategy.scope():
         inputs = keras.Input((4,))
         outputs = keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")(inputs)

@@ -33,14 +33,17 @@ def id_data(rows: int, n: int = 512, seed: int = 0):
 
 def live_ops(graph) -> set:
     """The ops of a function graph that run: those its outputs and control
-    outputs need (TensorFlow prunes the rest)."""
-    seen, stack = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
-    while stack:
-        op = stack.pop()
-        if op not in seen:
-            seen.add(op)
-            stack.extend(t.op for t in op.inputs)
-            stack.extend(op.control_inputs)
+    outputs need (TensorFlow prunes the rest), and those of the functions
+    it calls (an aggregated step's window is applied in a conditional)."""
+    seen = set()
+    for nested in _tf_internal.nested_graphs(graph):
+        stack = [t.op for t in nested.outputs] + list(nested.control_outputs)
+        while stack:
+            op = stack.pop()
+            if op not in seen:
+                seen.add(op)
+                stack.extend(t.op for t in op.inputs)
+                stack.extend(op.control_inputs)
     return seen
 
 
@@ -80,8 +83,12 @@ OPTIMIZERS = {
 }
 
 
+# The per-update rules apply where every shard's gradient is a step.
+PER_SHARD_RULES = ("gap", "dc", "adam_inverse", "momentum_rule")
+
+
 def trained_step_graph(rows: int, optimizer: str):
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(gradients_per_step=1 if optimizer in PER_SHARD_RULES else "auto")
     with strategy.scope():
         model = bag_of_ids(rows)
         model.compile(optimizer=OPTIMIZERS[optimizer](), loss="mse")
@@ -203,10 +210,11 @@ def _initial_table(rows):
     return bag_of_ids(rows).get_weights()[0]
 
 
-def test_no_row_increment_is_lost_with_four_contending_replicas():
-    """Every example looks up rows 0..15; each update subtracts exactly."""
+@pytest.mark.parametrize("per_step", [1, "auto"], ids=["per_shard", "aggregated"])
+def test_no_row_increment_is_lost_with_four_contending_replicas(per_step):
+    """Every example looks up rows 0..15; each update (or step) subtracts exactly."""
     rows, lr = 1_000, 0.125
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(gradients_per_step=per_step)
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -221,8 +229,12 @@ def test_no_row_increment_is_lost_with_four_contending_replicas():
     assert updates == 2 * (1024 // 64) * 4
     table = model.get_weights()[0]
     # The loss is the sum over a shard of its rows' sums divided by the shard
-    # size: each update adds -lr to each element of rows 0..15.
-    np.testing.assert_array_equal(table[:IDS], np.full((IDS, 4), -updates * lr, "float32"))
+    # size: each update adds -lr to each element of rows 0..15, and so does
+    # each aggregated step (the sum of 4 pushes of a quarter of that each).
+    steps = updates if per_step == 1 else strategy.statistics().steps
+    if per_step != 1:
+        assert steps == updates // 4
+    np.testing.assert_array_equal(table[:IDS], np.full((IDS, 4), -steps * lr, "float32"))
     np.testing.assert_array_equal(table[IDS:], 0.0)
 
 

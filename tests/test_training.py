@@ -75,6 +75,12 @@ def expected_updates(n, batch, replicas, epochs):
     return epochs * sum(per_batch)
 
 
+def expected_steps(n, batch, replicas, epochs):
+    """Optimizer steps under the default aggregation: a window of one push
+    per replica, and what is left at an epoch's end applied there."""
+    return epochs * -(-expected_updates(n, batch, replicas, 1) // replicas)
+
+
 @pytest.mark.parametrize("model_name", MODELS)
 def test_models_train_and_every_shard_is_applied(model_name, data):
     x, y = data
@@ -88,9 +94,11 @@ def test_models_train_and_every_shard_is_applied(model_name, data):
     # Judged on the whole data: a custom step's "loss" is one shard's alone.
     assert model.evaluate(x, y, batch_size=128, verbose=0)[0] < before
     assert strategy.version == expected_updates(len(x), BATCH, 4, EPOCHS)
-    assert int(model.optimizer.iterations.numpy()) == strategy.version
     stats = strategy.statistics()
     assert int(stats.updates.sum()) == strategy.version
+    # One optimizer step per batch: a window of the batch's 4 shard gradients.
+    assert int(model.optimizer.iterations.numpy()) == stats.steps
+    assert stats.steps == expected_steps(len(x), BATCH, 4, EPOCHS)
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
@@ -370,7 +378,7 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     updates = expected_updates(n, batch, 4, 2)
     stats = strategy.statistics()
     assert strategy.version == updates == int(stats.updates.sum())
-    assert int(model.optimizer.iterations.numpy()) == updates
+    assert int(model.optimizer.iterations.numpy()) == stats.steps == expected_steps(n, batch, 4, 2)
     assert sum(strategy.replica_steps()) == updates
     assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
     assert strategy.extended.runtime.in_flight() == 0

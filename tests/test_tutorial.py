@@ -20,18 +20,19 @@ from sklearn.model_selection import train_test_split
 
 import tf_diffmap
 
-BATCH_SIZE_PER_REPLICA = 32
+BATCH_SIZE_PER_REPLICA = 16
 EPOCHS = 3
 SUM = tf.distribute.ReduceOp.SUM
 # Test accuracy after EPOCHS epochs that shows learning (chance is 0.1).
-# Asynchronous Adam is noisy. At learning rate 0.01, 30 runs on the 2-core
-# host ended between 0.88 and 0.96, a CI run once at 0.77, and one busy run
-# fell to chance (0.08). At 0.003 (LEARNING_RATE), 12 runs of the checkpoint
-# test on the busy host ended between 0.900 and 0.936 (0.01: 0.897 to 0.969
-# in the same session); 0.6 leaves room for a tail and still fails a model
-# that did not learn.
+# The strategy aggregates each batch's 4 shard gradients into one step of
+# Adam, as the tutorial's MirroredStrategy takes one: 23 steps an epoch at
+# 16 examples a replica. At 32 and learning rate 0.01 (12 steps an epoch)
+# one of 2 runs fell back from 0.74 to 0.64 in its last epoch; at 16 and
+# 0.005 (LEARNING_RATE), 4 runs on the busy 2-core host ended between 0.833
+# and 0.878. 0.6 leaves room for a tail and still fails a model that did
+# not learn.
 LEARNED = 0.6
-LEARNING_RATE = 0.003
+LEARNING_RATE = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +172,8 @@ def test_tutorial_training_loop_checkpoint_and_restore_without_strategy(digits, 
         assert int(tutorial.test_accuracy.count) == len(test_images)
         assert int(tutorial.test_loss.count) == len(test_images)
         assert strategy.version == (epoch + 1) * per_epoch
-        assert int(tutorial.optimizer.iterations) == strategy.version
+        # One optimizer step per batch: the window of its 4 shard gradients.
+        assert int(tutorial.optimizer.iterations) == (epoch + 1) * num_batches
         # The printed loss is the mean loss of the epoch's recent shards, on
         # the scale of a global batch's mean loss: near the training set's
         # loss before and after the epoch. A loss summed or averaged wrongly
@@ -235,7 +237,9 @@ def test_tutorial_iter_next(digits):
         assert int(tutorial.train_accuracy.count) == 10 * tutorial.global_batch_size
         tutorial.train_accuracy.reset_state()
     assert strategy.version == EPOCHS * 10 * 4
-    assert losses[-1] < losses[0] / 2, losses
+    # 30 steps of Adam: 4 runs ended between 0.67 and 0.79 times the first
+    # epoch's loss.
+    assert losses[-1] < 0.9 * losses[0], losses
     # The iterator ends as a Python iterator does.
     with pytest.raises(StopIteration):
         for _ in range(len(train_images)):
@@ -299,7 +303,7 @@ def test_tutorial_dataset_function(digits):
     [context] = contexts
     assert (context.num_input_pipelines, context.input_pipeline_id) == (1, 0)
     assert context.num_replicas_in_sync == 4
-    assert context.get_per_replica_batch_size(tutorial.global_batch_size) == 32
+    assert context.get_per_replica_batch_size(tutorial.global_batch_size) == BATCH_SIZE_PER_REPLICA
     distributed_train_step = tutorial.distributed_train_step()
     sizes = []
     for _ in range(EPOCHS):
@@ -308,21 +312,23 @@ def test_tutorial_dataset_function(digits):
             distributed_train_step(x)
         assert int(tutorial.train_accuracy.count) == len(train_images)
         tutorial.train_accuracy.reset_state()
-    # Each N per-replica batches of 32 joined into one global batch of 128.
+    # Each N per-replica batches joined into one global batch.
     per_epoch = math.ceil(len(train_images) / tutorial.global_batch_size)
-    assert sizes[:per_epoch] == [128] * (per_epoch - 1) + [len(train_images) % 128]
+    batch = tutorial.global_batch_size
+    assert sizes[:per_epoch] == [batch] * (per_epoch - 1) + [len(train_images) % batch]
     assert strategy.version == EPOCHS * shards(len(train_images), tutorial.global_batch_size, 4)
     accuracy = np.mean(np.argmax(tutorial.model(test_images), axis=1) == test_labels)
     assert accuracy > LEARNED
 
 
-def test_run_returns_one_replica_step_and_reduce_stands_it_for_all():
+@pytest.mark.parametrize("per_step", [1, "auto"], ids=["per_shard", "aggregated"])
+def test_run_returns_one_replica_step_and_reduce_stands_it_for_all(per_step):
     """With every example's loss log(10), each reduction is known exactly.
 
     Zero weights give zero logits, whatever the input; a learning rate of 0
     keeps them so, while every shard still applies (claims) an update.
     """
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(gradients_per_step=per_step)
     replicas = strategy.num_replicas_in_sync
     global_batch_size = 128
     with strategy.scope():
@@ -339,7 +345,9 @@ def test_run_returns_one_replica_step_and_reduce_stands_it_for_all():
             loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        # Without global_batch_size: the shard's mean (num_replicas_in_sync is 1).
+        # Without global_batch_size: the shard's mean over num_replicas_in_sync,
+        # which reads 1 where each shard's gradient is a step, and N where a
+        # step sums N of them (as under MirroredStrategy).
         return loss, tf.nn.compute_average_loss(per_example_loss), per_example_loss
 
     @tf.function
@@ -374,7 +382,8 @@ def test_run_returns_one_replica_step_and_reduce_stands_it_for_all():
         # N times one shard's share of the global batch: the batch's mean loss.
         np.testing.assert_allclose(float(out["sum"]), log10, rtol=1e-6)
         np.testing.assert_allclose(float(out["mean"]), log10 / replicas, rtol=1e-6)
-        np.testing.assert_allclose(float(out["shard_mean"]), log10, rtol=1e-6)
+        in_sync = 1 if per_step == 1 else replicas
+        np.testing.assert_allclose(float(out["shard_mean"]), log10 / in_sync, rtol=1e-6)
         shard = global_batch_size // replicas
         np.testing.assert_allclose(float(out["sum_examples"]), replicas * shard * log10, rtol=1e-6)
         np.testing.assert_allclose(float(out["mean_examples"]), log10, rtol=1e-6)

@@ -383,6 +383,7 @@ class StepFeed:
         thread (see `dispatch_in_graph`)."""
         self.follow_input()
         self.runtime.record.resume()
+        self.runtime.training_started()
         self.loops.start(on_idle=self.stop_if_idle, first=first)
         return True
 

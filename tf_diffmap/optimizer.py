@@ -47,6 +47,10 @@ __all__ = ["AsyncOptimizer", "heavy_ball_momentum"]
 
 RULES = ("auto", "none", "linear", "inverse", "dc", "drop", "momentum", "gap")
 
+# The rules that hold where the strategy aggregates gradients into steps: the
+# others change each shard's update, which aggregation no longer applies.
+AGGREGATED_RULES = ("none", "drop")
+
 _BASE_ARGUMENTS = (
     "weight_decay",
     "clipnorm",
@@ -73,6 +77,11 @@ def optimizer_chain(optimizer):
 def find_in_chain(optimizer, kind: type):
     """The first optimizer of `kind` that `optimizer` is or wraps, or None."""
     return next((o for o in optimizer_chain(optimizer) if isinstance(o, kind)), None)
+
+
+def _aggregates(strategy) -> bool:
+    """Whether `strategy` (an optimizer's) aggregates gradients into steps."""
+    return getattr(strategy, "gradients_per_step", 1) > 1
 
 
 def heavy_ball_momentum(optimizer) -> float:
@@ -284,6 +293,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         """
         if self.staleness != "auto":
             return self.staleness
+        if _aggregates(_tf_internal.optimizer_strategy(self)):
+            # The optimizer takes one step per window of shard gradients.
+            return "none"
         if find_in_chain(self.inner_optimizer, keras.optimizers.SGD) is None:
             return "none"
         return "linear" if heavy_ball_momentum(self.inner_optimizer) > 0 else "gap"
@@ -384,6 +396,9 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.apply(grads, variables)
             return
         state.sparse_updates = self.sparse_updates
+        if state.aggregating:
+            self._push(grads, variables, state)
+            return
         claim = state.claim(after=grads, record=False)
         rule = self.rule
         # "momentum" takes both its momentum and its learning-rate factor
@@ -422,6 +437,26 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             apply_inner()
         else:
             tf.cond(keep, apply_inner, lambda: tf.constant(False))
+
+    def _push(self, grads, variables, state) -> None:
+        """Where the strategy aggregates gradients into steps: the inner
+        optimizer's `apply` pushes (`tf_diffmap.aggregation`), and `"drop"`
+        decides, per push, whether its gradient is accepted."""
+        rule = self.rule
+        if callable(rule) or rule not in AGGREGATED_RULES:
+            raise ValueError(
+                f"AsyncOptimizer(staleness={rule!r}) changes each shard's update, "
+                "and this tf_diffmap.Strategy aggregates the shards' gradients into "
+                f"steps of the optimizer (gradients_per_step="
+                f"{_tf_internal.optimizer_strategy(self).gradients_per_step}), which "
+                f"only {' and '.join(repr(r) for r in AGGREGATED_RULES)} apply to. "
+                'Keep staleness="auto", or build the strategy with '
+                "tf_diffmap.Strategy(gradients_per_step=1) to apply per shard."
+            )
+        if self.drop_above is not None:
+            claim = state.claim(after=grads, record=False)
+            claim.keep = rules.keep_update(claim.staleness, self.drop_above)
+        self.inner_optimizer.apply(grads, variables)
 
     def _mean_staleness(self, staleness) -> tf.Tensor:
         """A moving average of the staleness of recent updates, this one included.

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.aggregation import aggregating, innermost, optimizers_of, warn_if_not_aggregated
 from tf_diffmap.step import StepState, tracing_step
 
 if TYPE_CHECKING:
@@ -46,6 +47,13 @@ def batch_size(tensors) -> tf.Tensor | None:
         if tensor.shape.rank:
             return tf.shape(tensor, out_type=tf.int64)[0]
     return None
+
+
+def inspect_target(fn):
+    """The function a (possibly wrapped) step function runs."""
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
 
 
 def is_tensor(value) -> bool:
@@ -183,7 +191,10 @@ class ReplicaStep:
         # rather than on the replica's device, whence the count would travel
         # back at every step.
         counted_on_host = runtime.worker_hosts is None
-        trains = []
+        trains, pushed = [], []
+        # Where the strategy aggregates gradients into steps, the optimizers
+        # the step can reach take their steps through their aggregation.
+        optimizers = optimizers_of(fn) if runtime.aggregates else []
 
         def on_device(device):
             def step(replica_id, *tensors):
@@ -194,7 +205,9 @@ class ReplicaStep:
                     tf.device(device),
                     tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
                 ):
-                    state = StepState(runtime.store, replica_id, examples)
+                    state = StepState(
+                        runtime.store, replica_id, examples, aggregating=runtime.aggregates
+                    )
                     with tracing_step(state):
                         with tf.control_dependencies([state.read_version]):
                             outputs = fn(*args, **kwargs)
@@ -206,6 +219,7 @@ class ReplicaStep:
                     _tf_internal.place_scalars_beside_reads(graph, device)
                     _tf_internal.pack_crossings(graph)
                 trains.append(state.claimed)
+                pushed.append(state.pushed)
                 return outputs, claims
 
             return step
@@ -213,14 +227,22 @@ class ReplicaStep:
         install_summary_state()
         keras.config.set_dtype_policy(dtype_policy)
         with strategy.scope():
-            for device in dict.fromkeys(runtime.compute_devices):
-                function = tf.function(on_device(device), autograph=False)
-                self.concretes[device] = function.get_concrete_function(
-                    tf.TensorSpec([], tf.int32), *self.specs
-                )
-                if not trains[0]:
-                    break  # A synchronous step runs on the first device only.
+            with aggregating(optimizers, runtime.aggregation_for):
+                for device in dict.fromkeys(runtime.compute_devices):
+                    function = tf.function(on_device(device), autograph=False)
+                    self.concretes[device] = function.get_concrete_function(
+                        tf.TensorSpec([], tf.int32), *self.specs
+                    )
+                    if not trains[0]:
+                        break  # A synchronous step runs on the first device only.
+            # What applies a window that is not full, at a drain: traced now,
+            # while every task serves.
+            for optimizer in optimizers:
+                aggregation = runtime.aggregation_for(innermost(optimizer))
+                aggregation.trace_flush(strategy, runtime.client_host)
         self.trains = trains[0]
+        if self.trains and runtime.aggregates and not pushed[0]:
+            warn_if_not_aggregated(getattr(inspect_target(fn), "__qualname__", repr(fn)))
 
     # -- structure -----------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
 
+from tf_diffmap.aggregation import Aggregation
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.momentum import MomentumWatch
 from tf_diffmap.replicas import ReplicaRecord, ReplicaReport
@@ -64,6 +65,10 @@ class Runtime:
         worker_timeout: seconds before a replica that holds the others up is
             treated as hung, or None.
         partitioner: what splits large variables (`partitioned`), or None.
+        gradients_per_step: K, the shard gradients aggregated into one
+            optimizer step (1: every shard's gradient is a step).
+        max_step_staleness: with K > 1, the most optimizer steps a
+            gradient's parameters may be behind and be accepted (None: any).
     """
 
     def __init__(
@@ -76,8 +81,16 @@ class Runtime:
         steps_per_loop: int,
         worker_timeout: float | None,
         partitioner=None,
+        gradients_per_step: int = 1,
+        max_step_staleness: int | None = None,
     ):
         self.replica_devices = list(replica_devices)
+        self.gradients_per_step = gradients_per_step
+        self.max_step_staleness = max_step_staleness
+        # Per innermost optimizer (by id), its aggregation into steps; and
+        # whether replicas may have pushed since the last flush.
+        self._aggregations: dict[int, Aggregation] = {}
+        self._pushed = False
         self.compute_devices = list(compute_devices)
         self.parameter_devices = list(parameter_devices)
         self.max_staleness = max_staleness
@@ -150,6 +163,46 @@ class Runtime:
         """Functions to keep alive while a worker is lost (see `__init__`)."""
         self._kept_functions.extend(functions)
 
+    # -- aggregation -------------------------------------------------------
+
+    @property
+    def aggregates(self) -> bool:
+        """Whether shard gradients are aggregated into optimizer steps."""
+        return self.gradients_per_step > 1
+
+    def aggregation_for(self, optimizer) -> Aggregation:
+        """The aggregation of an (innermost) optimizer's steps, made once."""
+        aggregation = self._aggregations.get(id(optimizer))
+        if aggregation is None or aggregation.optimizer is not optimizer:
+            aggregation = Aggregation(
+                optimizer,
+                self.store,
+                self.gradients_per_step,
+                self.max_step_staleness,
+                replicas=len(self.replica_devices),
+            )
+            self._aggregations[id(optimizer)] = aggregation
+        return aggregation
+
+    def aggregations(self) -> list[Aggregation]:
+        return list(self._aggregations.values())
+
+    def training_started(self) -> None:
+        """Replicas start applying shards (a feed starts its loops)."""
+        self._pushed = True
+
+    def flush_aggregations(self) -> int:
+        """Applies every partial window (no replica may be running), if
+        replicas ran since the last flush.
+
+        Returns:
+            The pushes applied.
+        """
+        if not self._pushed:
+            return 0
+        self._pushed = False
+        return sum(aggregation.flush() for aggregation in self.aggregations())
+
     # -- drain and errors ---------------------------------------------------
 
     def _on_host_access(self) -> None:
@@ -166,6 +219,10 @@ class Runtime:
                 feed.stop()
                 feed.mark_drained()
                 drained = True
+        if self._error is None and not self.record.store_lost():
+            # What is read is what was trained: a window that is not full
+            # is applied as it is.
+            self.flush_aggregations()
         self.raise_error()
         if drained:
             # Nothing in flight: a claim that never completed was abandoned

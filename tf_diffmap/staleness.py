@@ -40,6 +40,16 @@ class StalenessStats:
         abandoned: claimed versions whose step never completed (interrupted
             by a lost worker, or by an error); version = completed updates
             + abandoned, once nothing is in flight.
+        steps: optimizer steps the store applied, where shard gradients are
+            aggregated K to a step (`Strategy(gradients_per_step=...)`);
+            None where every update is a step of its own, so that the
+            staleness in steps is the staleness in versions.
+        step_staleness_sum: per replica, the sum of the staleness of applied
+            updates in optimizer steps: the steps applied between the read
+            of the parameters a gradient was computed on and its push.
+        step_staleness_max: per replica, the largest of those.
+        step_histogram: per replica, how many updates had a staleness of
+            0, 1, 2, ... optimizer steps (dropped ones included).
 
     Examples:
         >>> import numpy as np, tf_diffmap
@@ -70,6 +80,10 @@ class StalenessStats:
     lr_scale_sum: np.ndarray | None = None
     examples: np.ndarray | None = None
     abandoned: int = 0
+    steps: int | None = None
+    step_staleness_sum: np.ndarray | None = None
+    step_staleness_max: np.ndarray | None = None
+    step_histogram: np.ndarray | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -95,14 +109,56 @@ class StalenessStats:
         return int(np.max(self.staleness_max)) if len(self.staleness_max) else 0
 
     @property
+    def aggregated(self) -> bool:
+        """Whether shard gradients were aggregated into optimizer steps."""
+        return self.steps is not None
+
+    @property
+    def mean_step_staleness(self) -> np.ndarray:
+        """Per replica, the mean staleness of its applied updates in
+        optimizer steps (the staleness in versions when every update is a
+        step of its own)."""
+        if not self.aggregated or self.step_staleness_sum is None:
+            return self.mean_staleness
+        updates = np.asarray(self.updates, dtype=np.float64)
+        sums = np.asarray(self.step_staleness_sum, dtype=np.float64)
+        return np.divide(sums, updates, out=np.zeros_like(sums), where=updates > 0)
+
+    @property
+    def overall_mean_step_staleness(self) -> float:
+        """The mean staleness in optimizer steps of every applied update."""
+        if not self.aggregated or self.step_staleness_sum is None:
+            return self.overall_mean_staleness
+        total = int(np.sum(self.updates))
+        return float(np.sum(self.step_staleness_sum)) / total if total else 0.0
+
+    @property
+    def overall_max_step_staleness(self) -> int:
+        """The largest staleness in optimizer steps of an applied update."""
+        if not self.aggregated or self.step_staleness_max is None:
+            return self.overall_max_staleness
+        return int(np.max(self.step_staleness_max)) if len(self.step_staleness_max) else 0
+
+    @property
+    def gradients_per_step(self) -> float:
+        """Shard gradients (applied or dropped) per optimizer step: 1 where
+        every update is a step of its own."""
+        if not self.aggregated:
+            return 1.0
+        pushed = int(np.sum(self.updates) + np.sum(self.dropped))
+        return pushed / self.steps if self.steps else 0.0
+
+    @property
     def implicit_momentum(self) -> float:
         """The momentum that asynchrony adds at this mean staleness, s / (1 + s).
 
-        See `implicit_momentum` (the function): with an optimizer whose own
-        momentum is `mu`, the total is about `mu + stats.implicit_momentum`,
-        and a total of 1 or more tends to diverge.
+        s is the mean staleness in optimizer steps (in versions where every
+        update is a step). See `implicit_momentum` (the function): with an
+        optimizer whose own momentum is `mu`, the total is about
+        `mu + stats.implicit_momentum`, and a total of 1 or more tends to
+        diverge.
         """
-        return float(implicit_momentum(self.overall_mean_staleness))
+        return float(implicit_momentum(self.overall_mean_step_staleness))
 
     @property
     def mean_lr_scale(self) -> np.ndarray:
@@ -152,6 +208,12 @@ class StalenessStats:
             if self.examples is None or earlier.examples is None
             else self.examples - earlier.examples,
             abandoned=self.abandoned - earlier.abandoned,
+            steps=None
+            if self.steps is None or earlier.steps is None
+            else self.steps - earlier.steps,
+            step_staleness_sum=_difference(self.step_staleness_sum, earlier.step_staleness_sum),
+            step_staleness_max=self.step_staleness_max,
+            step_histogram=_difference(self.step_histogram, earlier.step_histogram),
         )
 
     @property
@@ -171,7 +233,7 @@ class StalenessStats:
 
     def as_dict(self) -> dict:
         """Plain Python values, for logs and JSON."""
-        return {
+        figures = {
             "version": self.version,
             "updates": [int(u) for u in self.updates],
             "dropped": [int(d) for d in self.dropped],
@@ -180,8 +242,19 @@ class StalenessStats:
             "overall_mean_staleness": self.overall_mean_staleness,
             "overall_max_staleness": self.overall_max_staleness,
         }
+        if self.aggregated:
+            figures.update(
+                steps=self.steps,
+                gradients_per_step=self.gradients_per_step,
+                mean_step_staleness=[float(m) for m in self.mean_step_staleness],
+                overall_mean_step_staleness=self.overall_mean_step_staleness,
+                overall_max_step_staleness=self.overall_max_step_staleness,
+            )
+        return figures
 
     def __str__(self) -> str:
+        if self.aggregated:
+            return self._aggregated_summary()
         rows = [
             f"store version {self.version}; mean staleness "
             f"{self.overall_mean_staleness:.2f}, max {self.overall_max_staleness}; "
@@ -200,3 +273,30 @@ class StalenessStats:
                 )
             )
         return "\n".join(rows)
+
+    def _aggregated_summary(self) -> str:
+        step_max = self.step_staleness_max
+        rows = [
+            f"store version {self.version}, {self.steps} optimizer steps "
+            f"({self.gradients_per_step:.1f} gradients each); mean staleness "
+            f"{self.overall_mean_staleness:.2f} versions (max {self.overall_max_staleness}), "
+            f"{self.overall_mean_step_staleness:.2f} steps (max "
+            f"{self.overall_max_step_staleness}); momentum added by asynchrony "
+            f"{self.implicit_momentum:.2f}"
+        ]
+        for r in range(self.num_replicas):
+            rows.append(
+                f"  replica {r}: {int(self.updates[r])} gradients "
+                f"({100 * self.work_share[r]:.1f}%), mean staleness "
+                f"{self.mean_staleness[r]:.2f} versions (max {int(self.staleness_max[r])}), "
+                f"{self.mean_step_staleness[r]:.2f} steps (max "
+                f"{int(step_max[r]) if step_max is not None else 0})"
+                + (f", dropped {int(self.dropped[r])}" if self.dropped[r] else "")
+            )
+        return "\n".join(rows)
+
+
+def _difference(now, earlier):
+    if now is None or earlier is None:
+        return None
+    return now - earlier

@@ -28,14 +28,22 @@ class Claim:
     Attributes:
         staleness: int64 scalar: versions claimed by others between this
             step's read and this claim.
+        step_staleness: int64 scalar: optimizer steps applied between this
+            step's read and this claim, where the strategy aggregates
+            gradients into steps; else None (every update is a step, and
+            the staleness in steps is `staleness`).
         applied: bool scalar: False when a staleness rule dropped the update.
         lr_scale: float scalar the learning rate is multiplied by, or None.
+        keep: bool scalar, set by a rule that drops updates before an
+            aggregated push (`AsyncOptimizer(drop_above=...)`), or None.
     """
 
-    def __init__(self, staleness: tf.Tensor):
+    def __init__(self, staleness: tf.Tensor, step_staleness: tf.Tensor | None = None):
         self.staleness = staleness
+        self.step_staleness = step_staleness
         self.applied: tf.Tensor | None = None
         self.lr_scale: tf.Tensor | None = None
+        self.keep: tf.Tensor | None = None
 
 
 class StepState:
@@ -50,20 +58,32 @@ class StepState:
     Attributes:
         replica_id: int32 scalar tensor.
         read_version: the store version read before the forward pass.
+        read_steps: the optimizer steps applied at that read, where the
+            strategy aggregates gradients into steps (else None).
+        aggregating: whether the strategy aggregates gradients into steps
+            (`tf_diffmap.aggregation` then applies the step's optimizer).
         claimed: whether any claim was made while tracing.
+        pushed: whether an aggregated push was traced.
         sparse_updates: `"lazy"` (rows only) or `"dense"` (Keras' update),
             for the step's `IndexedSlices` gradients (`tf_diffmap.sparse`).
     """
 
     def __init__(
-        self, store: ParameterStore, replica_id: tf.Tensor, examples: tf.Tensor | None = None
+        self,
+        store: ParameterStore,
+        replica_id: tf.Tensor,
+        examples: tf.Tensor | None = None,
+        aggregating: bool = False,
     ):
         self.store = store
         self.replica_id = replica_id
         self.examples = examples
+        self.aggregating = aggregating
         self.graph = tf.compat.v1.get_default_graph()
         self.read_version = store.read_version()
+        self.read_steps = store.read_optimizer_steps() if aggregating else None
         self.claimed = False
+        self.pushed = False
         # How an `IndexedSlices` gradient is applied (`tf_diffmap.sparse`);
         # `AsyncOptimizer(sparse_updates=...)` sets it for its updates.
         self.sparse_updates = "lazy"
@@ -108,7 +128,14 @@ class StepState:
         self._resolve_reads()
         deps = [t for t in (as_dependency(a) for a in tf.nest.flatten(after)) if t is not None]
         with tf.control_dependencies(deps):
-            claim = Claim(self.store.claim_version(self.read_version, self.replica_id))
+            staleness = self.store.claim_version(self.read_version, self.replica_id)
+        step_staleness = None
+        if self.read_steps is not None:
+            with tf.control_dependencies([staleness]):
+                steps_now = self.store.read_optimizer_steps()
+            with tf.device(self.store.host):
+                step_staleness = tf.maximum(steps_now - self.read_steps, 0)
+        claim = Claim(staleness, step_staleness)
         self._claims[_key(_graph_now())] = claim
         self.claimed = True
         if record:
@@ -118,7 +145,23 @@ class StepState:
     def record(self, claim: Claim, applied: tf.Tensor, lr_scale: tf.Tensor | None) -> None:
         """Records a claimed update in the store's statistics."""
         claim.applied, claim.lr_scale = applied, lr_scale
-        self.store.record(self.replica_id, claim.staleness, applied, lr_scale, self.examples)
+        self.store.record(
+            self.replica_id,
+            claim.staleness,
+            applied,
+            lr_scale,
+            self.examples,
+            step_staleness=claim.step_staleness,
+        )
+
+    def claim_outside_replicas(self) -> Claim:
+        """A claim for updates made outside any replica's step (an
+        aggregation's flush at a drain): it takes no version and records
+        nothing, and the updates of the current graph wait for nothing."""
+        claim = Claim(tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        self._claims[_key(_graph_now())] = claim
+        self.claimed = True
+        return claim
 
     def update(self, var, fn, args, kwargs):
         """Applies one of the step's updates to a trainable store variable.
@@ -267,11 +310,18 @@ _FIELDS = ("active", "step_graph", "snapshots", "reads_as_rows", "stand_ins", "s
 
 
 @contextlib.contextmanager
-def tracing_step(state: StepState | None):
-    """Marks this thread as tracing (or eagerly running) `state`'s step."""
+def tracing_step(state: StepState | None, reads_as_rows: bool = True):
+    """Marks this thread as tracing (or eagerly running) `state`'s step.
+
+    Args:
+        state: the step.
+        reads_as_rows: whether reads of large variables before the claim
+            get stand-ins (see `_tf_internal.InStore`): a replica step's
+            forward pass, not a function that updates without one.
+    """
     previous = [getattr(_tracing, field, None) for field in _FIELDS]
     graph = _graph_now()
-    fresh = (True, graph, {}, graph is not None, {}, state)
+    fresh = (True, graph, {}, reads_as_rows and graph is not None, {}, state)
     for field, value in zip(_FIELDS, fresh):
         setattr(_tracing, field, value)
     try:

@@ -36,8 +36,9 @@ __all__ = [
 ]
 
 _VERSION_LIMIT = np.iinfo(np.int64).max
-# Columns of `ParameterStore.counters`.
-_UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _HISTOGRAM = range(5)
+# Columns of `ParameterStore.counters`: four counts, the staleness sums in
+# both units (versions, optimizer steps), then a histogram in each unit.
+_UPDATES, _DROPPED, _EXAMPLES, _STALENESS_SUM, _STEP_STALENESS_SUM, _HISTOGRAM = range(6)
 # Columns of `ParameterStore.ledger`.
 _STEPS, _CLAIMS = range(2)
 # The name scope of a step's ops on the per-replica counters (its statistics
@@ -66,22 +67,34 @@ def counters_as_stats(
     staleness_max: np.ndarray,
     lr_scale_sum: np.ndarray | None,
     abandoned: int,
+    steps: int | None = None,
+    step_staleness_max: np.ndarray | None = None,
 ) -> StalenessStats:
     """`StalenessStats` from a value of `ParameterStore.counters` (views, no copy).
 
     `counters` may carry leading dimensions (a stack of snapshots): every
     array of the result then has them too.
+
+    Args:
+        steps: optimizer steps the store has applied; None where each
+            update is a step of its own (the staleness in steps is then the
+            staleness in versions).
     """
+    bins = (counters.shape[-1] - _HISTOGRAM) // 2
     return StalenessStats(
         version=version,
         updates=counters[..., _UPDATES],
         dropped=counters[..., _DROPPED],
         examples=counters[..., _EXAMPLES],
         staleness_sum=counters[..., _STALENESS_SUM],
-        histogram=counters[..., _HISTOGRAM:],
+        histogram=counters[..., _HISTOGRAM : _HISTOGRAM + bins],
         staleness_max=staleness_max,
         lr_scale_sum=lr_scale_sum,
         abandoned=abandoned,
+        steps=steps,
+        step_staleness_sum=counters[..., _STEP_STALENESS_SUM],
+        step_staleness_max=step_staleness_max,
+        step_histogram=counters[..., _HISTOGRAM + bins :],
     )
 
 
@@ -200,19 +213,30 @@ class ParameterStore:
             )
             # Per replica, in one variable so that one update is recorded by
             # one op and a snapshot reads them together: updates applied,
-            # updates dropped, examples, staleness sum, then the histogram.
+            # updates dropped, examples, the staleness sums in versions and
+            # in steps, then the histograms in versions and in steps.
             self.counters = tf.Variable(
-                tf.zeros([num_replicas, _HISTOGRAM + self.histogram_bins], tf.int64),
+                tf.zeros([num_replicas, _HISTOGRAM + 2 * self.histogram_bins], tf.int64),
                 trainable=False,
                 name="staleness_counters",
             )
             self.staleness_max = tf.Variable(zeros, trainable=False, name="staleness_max")
+            self.step_staleness_max = tf.Variable(zeros, trainable=False, name="step_staleness_max")
             self.lr_scale_sum = tf.Variable(
                 tf.zeros([num_replicas], tf.float64), trainable=False, name="lr_scale_sum"
+            )
+        with tf.init_scope(), tf.device(self.host):
+            # Optimizer steps applied where shard gradients are aggregated
+            # (`accumulators`), K of them to a step.
+            self.optimizer_steps = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="store_optimizer_steps"
             )
         # Whether any traced step scales its learning rate (an AsyncOptimizer
         # rule): the statistics report a learning-rate factor only then.
         self.scales_learning_rate = False
+        # Whether shard gradients are aggregated into optimizer steps (set
+        # by the runtime); otherwise every update is a step of its own.
+        self.aggregates = False
 
     # -- placement ------------------------------------------------------------
 
@@ -369,6 +393,35 @@ class ParameterStore:
             variable = _tf_internal.StoreVariable.adopt(variable, self._on_host_access)
         return variable
 
+    def variable_beside(self, reference, name: str) -> tf.Variable:
+        """A zero variable of `reference`'s shape and dtype, beside it.
+
+        For the store's own bookkeeping of a variable (an aggregation's
+        accumulator): split by rows alike where `reference` is split, each
+        shard beside the reference's shard. It is made outside any replica
+        step and any strategy's creators, is not trainable, and reading it
+        from Python does not drain the replicas.
+        """
+        with tf.init_scope(), tf.control_dependencies(None):
+            if isinstance(reference, PartitionedVariable):
+                shards = []
+                for k, shard in enumerate(reference.shards):
+                    with tf.device(shard.device):
+                        shards.append(
+                            _tf_internal.ResourceVariable(
+                                tf.zeros(shard.shape, shard.dtype),
+                                trainable=False,
+                                name=f"{name}/part_{k}",
+                            )
+                        )
+                return PartitionedVariable.build(
+                    shards, reference.row_split, name=name, trainable=False, on_host_access=None
+                )
+            with tf.device(reference.device):
+                return _tf_internal.ResourceVariable(
+                    tf.zeros(reference.shape, reference.dtype), trainable=False, name=name
+                )
+
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes of variables placed on each parameter device (approximate)."""
         return dict(self._bytes)
@@ -379,6 +432,11 @@ class ParameterStore:
         """The updates a replica's read can see: those completed (or abandoned)."""
         with tf.device(self.ledger_device):
             return tf.reduce_sum(self.ledger.read_value()[:, _CLAIMS])
+
+    def read_optimizer_steps(self) -> tf.Tensor:
+        """Optimizer steps applied so far (in a replica's graph)."""
+        with tf.device(self.host):
+            return self.optimizer_steps.read_value()
 
     def complete(self, replica_id, claims) -> tf.Operation:
         """Counts one step of a replica completed, with the claims it made.
@@ -476,46 +534,64 @@ class ParameterStore:
         applied: tf.Tensor,
         lr_scale: tf.Tensor | None = None,
         examples: tf.Tensor | None = None,
+        step_staleness: tf.Tensor | None = None,
     ) -> tf.Operation:
         """Adds one update's staleness to the replica's statistics.
 
         Args:
             replica_id: int32 scalar.
-            staleness: int64 scalar.
+            staleness: int64 scalar, in versions.
             applied: bool scalar, False for an update that was dropped.
             lr_scale: the factor a staleness rule applied to the learning
                 rate (1 when none did).
             examples: the examples of the shard the update was computed on.
+            step_staleness: int64 scalar, in optimizer steps; by default
+                `staleness` (each update is a step of its own).
         """
         with tf.name_scope(BOOKKEEPING_SCOPE), tf.device(self.ledger_device):
             row = tf.cast(replica_id, tf.int64)
             applied = tf.cast(applied, tf.int64)
             staleness = tf.cast(staleness, tf.int64)
+            steps_stale = staleness if step_staleness is None else tf.cast(step_staleness, tf.int64)
             examples = tf.constant(0, tf.int64) if examples is None else tf.cast(examples, tf.int64)
+            last = self.histogram_bins - 1
             columns = tf.stack(
                 [
                     tf.constant(_UPDATES, tf.int64),
                     tf.constant(_DROPPED, tf.int64),
                     tf.constant(_EXAMPLES, tf.int64),
                     tf.constant(_STALENESS_SUM, tf.int64),
-                    _HISTOGRAM + tf.minimum(staleness, self.histogram_bins - 1),
+                    tf.constant(_STEP_STALENESS_SUM, tf.int64),
+                    _HISTOGRAM + tf.minimum(staleness, last),
+                    _HISTOGRAM + self.histogram_bins + tf.minimum(steps_stale, last),
                 ]
             )
-            cells = tf.stack([tf.fill([5], row), columns], axis=1)
+            cells = tf.stack([tf.fill([7], row), columns], axis=1)
+            one = tf.constant(1, tf.int64)
             values = tf.stack(
-                [applied, 1 - applied, examples, staleness * applied, tf.constant(1, tf.int64)]
+                [
+                    applied,
+                    1 - applied,
+                    examples,
+                    staleness * applied,
+                    steps_stale * applied,
+                    one,
+                    one,
+                ]
             )
             if lr_scale is None:
                 lr_scale = tf.constant(1.0, tf.float64)
             else:
                 self.scales_learning_rate = True
             scale = tf.cast(lr_scale, tf.float64) * tf.cast(applied, tf.float64)
+            cell = tf.reshape(row, [1, 1])
             return tf.group(
                 self.counters.scatter_nd_add(cells, values),
-                self.staleness_max.scatter_nd_max(
-                    tf.reshape(row, [1, 1]), tf.reshape(staleness * applied, [1])
+                self.staleness_max.scatter_nd_max(cell, tf.reshape(staleness * applied, [1])),
+                self.step_staleness_max.scatter_nd_max(
+                    cell, tf.reshape(steps_stale * applied, [1])
                 ),
-                self.lr_scale_sum.scatter_nd_add(tf.reshape(row, [1, 1]), tf.reshape(scale, [1])),
+                self.lr_scale_sum.scatter_nd_add(cell, tf.reshape(scale, [1])),
             )
 
     # -- reading from Python --------------------------------------------------
@@ -529,9 +605,16 @@ class ParameterStore:
             staleness_max=_read(self.staleness_max),
             lr_scale_sum=_read(self.lr_scale_sum) if self.scales_learning_rate else None,
             abandoned=self.abandoned,
+            steps=int(_read(self.optimizer_steps)) if self.aggregates else None,
+            step_staleness_max=_read(self.step_staleness_max),
         )
 
     def reset_statistics(self) -> None:
-        """Zeroes the per-replica counters (the version keeps counting)."""
-        for variable in (self.counters, self.staleness_max, self.lr_scale_sum):
+        """Zeroes the per-replica counters (the version and the steps keep counting)."""
+        for variable in (
+            self.counters,
+            self.staleness_max,
+            self.step_staleness_max,
+            self.lr_scale_sum,
+        ):
             variable.assign(tf.zeros_like(variable))

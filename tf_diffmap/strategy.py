@@ -53,7 +53,10 @@ from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import current_step
 from tf_diffmap.store import optimizer_outside_scope_message, outside_scope_message
 
-__all__ = ["Strategy", "current_step"]
+__all__ = ["MAX_STEP_STALENESS", "Strategy", "current_step"]
+
+MAX_STEP_STALENESS: int | None = None
+"""The default of `Strategy(max_step_staleness=...)`."""
 
 _tracing = _tf_internal.replica_tracing()
 
@@ -78,6 +81,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         colocate_cpu_replicas: bool,
         worker_timeout: float | None = None,
         partitioner=None,
+        gradients_per_step: int = 1,
+        max_step_staleness: int | None = None,
     ):
         super().__init__(container_strategy)
         self.runtime = Runtime(
@@ -92,6 +97,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             steps_per_loop,
             worker_timeout,
             partitioner,
+            gradients_per_step,
+            max_step_staleness,
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
@@ -145,9 +152,15 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     @property
     def _num_replicas_in_sync(self):
-        # Inside a replica step each replica applies its own update, as a
-        # one-replica step would: Keras must not divide its loss by N there.
-        return 1 if _tracing.active else len(self.runtime.replica_devices)
+        # Where every shard's gradient is a step of its own, a replica step
+        # applies it as a one-replica step would: Keras must not divide its
+        # loss by N there. Where gradients are aggregated, a replica's
+        # gradient is one of the N a step sums, as in a synchronous step.
+        if _tracing.active:
+            state = current_step()
+            if state is None or not state.aggregating:
+                return 1
+        return len(self.runtime.replica_devices)
 
     def _use_merge_call(self):
         return False
@@ -398,6 +411,20 @@ class Strategy(_tf_internal.StrategyBase):
             (`tf.distribute.experimental.partitioners` are accepted); on one
             host, with `parameter_device=[...]` listing several devices, it
             splits a table over those devices. None splits nothing.
+        gradients_per_step: K, the shard gradients the store aggregates into
+            one step of the optimizer. `"auto"` (the default) is one per
+            replica, the shards of one batch: the optimizer takes one step
+            per batch on the batch's mean gradient, with the hyperparameters
+            it was tuned with for synchronous training, while no replica
+            waits for another (a slow replica's share is taken by the
+            others). 1 applies every shard's gradient as a step of its own,
+            the plain asynchronous update that `tf_diffmap.AsyncOptimizer`'s
+            per-update rules correct. See `tf_diffmap.aggregation` and the
+            documentation's "Staleness-aware updates".
+        max_step_staleness: with aggregation, a gradient computed on
+            parameters more than this many optimizer steps old is dropped
+            (it still counts in its window, with no weight) and counted in
+            the statistics. None accepts every gradient.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an
@@ -427,6 +454,8 @@ class Strategy(_tf_internal.StrategyBase):
         colocate_cpu_replicas: bool = True,
         worker_timeout: float | None = WORKER_TIMEOUT,
         variable_partitioner="auto",
+        gradients_per_step: int | str = "auto",
+        max_step_staleness: int | None = MAX_STEP_STALENESS,
     ):
         _tf_internal.check_compatibility()
         _check_int("replicas_per_device", replicas_per_device, 1)
@@ -435,6 +464,14 @@ class Strategy(_tf_internal.StrategyBase):
         )
         _check_int("steps_per_loop", steps_per_loop, 1)
         _check_int("queue_size", queue_size, 1, "None (two per replica) or ")
+        if gradients_per_step != "auto":
+            _check_int(
+                "gradients_per_step",
+                gradients_per_step,
+                1,
+                note=' or "auto" (one per replica)',
+            )
+        _check_int("max_step_staleness", max_step_staleness, 0, "None (accept every gradient) or ")
         if not isinstance(colocate_cpu_replicas, bool):
             raise ValueError(
                 f"colocate_cpu_replicas must be True or False, received {colocate_cpu_replicas!r}."
@@ -465,6 +502,8 @@ class Strategy(_tf_internal.StrategyBase):
                 f"queue_size must hold at least one shard per replica ({len(replicas)}), "
                 f"received {queue_size}."
             )
+        if gradients_per_step == "auto":
+            gradients_per_step = len(replicas)
         super().__init__(
             _AsyncExtended(
                 self,
@@ -476,6 +515,8 @@ class Strategy(_tf_internal.StrategyBase):
                 colocate_cpu_replicas,
                 worker_timeout,
                 partitioner,
+                gradients_per_step,
+                max_step_staleness,
             )
         )
 
@@ -526,6 +567,16 @@ class Strategy(_tf_internal.StrategyBase):
     def max_staleness(self) -> int | None:
         """The Stale Synchronous Parallel bound, or None."""
         return self._runtime.max_staleness
+
+    @property
+    def gradients_per_step(self) -> int:
+        """K: the shard gradients aggregated into one optimizer step (1: none)."""
+        return self._runtime.gradients_per_step
+
+    @property
+    def max_step_staleness(self) -> int | None:
+        """With aggregation, the most optimizer steps a gradient may be stale."""
+        return self._runtime.max_step_staleness
 
     @property
     def steps_per_loop(self) -> int:
@@ -620,5 +671,6 @@ class Strategy(_tf_internal.StrategyBase):
             f"tf_diffmap.Strategy(devices={list(dict.fromkeys(self.replica_devices))}, "
             f"replicas={len(self.replica_devices)}, "
             f"parameter_device={list(self.parameter_devices)}, "
-            f"max_staleness={self.max_staleness})"
+            f"max_staleness={self.max_staleness}, "
+            f"gradients_per_step={self.gradients_per_step})"
         )

@@ -21,7 +21,8 @@ Modules, by job:
 * `graphs`: rewrites of a traced step's graph (placement, packing of the
   values crossing between tasks, `tf.function`'s control dependencies).
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
-  momentum per update, and whether `fit` or `evaluate`/`predict` asks.
+  momentum per update, an optimizer's `apply` while a step is traced, and
+  whether `fit` or `evaluate`/`predict` asks.
 """
 
 from tf_diffmap._tf_internal.checks import (
@@ -49,17 +50,20 @@ from tf_diffmap._tf_internal.distribute import (
 from tf_diffmap._tf_internal.graphs import (
     PACK_MAX_BYTES,
     PACKED_SCOPE,
+    nested_graphs,
     pack_crossings,
     place_scalars_beside_reads,
 )
 from tf_diffmap._tf_internal.keras_internals import (
     OPTIMIZER_SLOTS,
     TracedMomentum,
+    apply_replaced,
     for_keras_inference,
     momentum_of_update,
     optimizer_of_update,
     optimizer_slots,
     optimizer_strategy,
+    optimizer_trainable_variables,
 )
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
@@ -97,6 +101,7 @@ __all__ = [
     "StrategyBase",
     "TracedMomentum",
     "UninitializedVariable",
+    "apply_replaced",
     "capture_summary_state",
     "check_compatibility",
     "cluster_addresses",
@@ -106,10 +111,12 @@ __all__ = [
     "in_xla_context",
     "is_mixed_strategy_error",
     "is_read_of",
+    "nested_graphs",
     "momentum_of_update",
     "optimizer_of_update",
     "optimizer_slots",
     "optimizer_strategy",
+    "optimizer_trainable_variables",
     "pack_crossings",
     "place_scalars_beside_reads",
     "reconnect_cluster",

@@ -225,6 +225,13 @@ def _optimizer_problems() -> list[str]:
         for attribute in names.values():
             if f"self.{attribute}" not in source:
                 problems.append(f"keras.optimizers.{cls.__name__} has no `{attribute}`")
+    if "self.apply(" not in _source(keras.optimizers.Optimizer.apply_gradients):
+        problems.append(
+            "keras optimizers' apply_gradients no longer calls `self.apply` "
+            "(tf_diffmap's aggregation replaces `apply` while a step is traced)"
+        )
+    if "self._trainable_variables" not in _source(keras.optimizers.Optimizer.apply):
+        problems.append("Keras optimizers no longer keep `_trainable_variables`")
     sgd_update = _source(keras.optimizers.SGD.update_step)
     if "self.momentum != 0" not in sgd_update or "ops.cast(self.momentum" not in sgd_update:
         problems.append(

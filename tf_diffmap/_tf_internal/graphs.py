@@ -36,6 +36,32 @@ def is_stateful(op) -> bool:
     return bool(op._is_stateful)  # noqa: SLF001
 
 
+def nested_graphs(graph) -> list:
+    """`graph` and the graphs of the functions its ops call, depth first:
+    a conditional's branches, a loop's body and condition, a called
+    function's (through the private `FuncGraph._functions`)."""
+    found, stack, seen = [], [graph], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append(current)
+        functions = getattr(current, "_functions", {})
+        for op in current.get_operations():
+            for attr in op.node_def.attr.values():
+                names = [attr.func.name] if attr.HasField("func") else []
+                names += [f.name for f in attr.list.func]
+                for name in names:
+                    function = functions.get(name)
+                    if function is None:
+                        function = getattr(graph, "_functions", {}).get(name)
+                    nested = getattr(function, "graph", None)
+                    if nested is not None:
+                        stack.append(nested)
+    return found
+
+
 def reroute(old: tf.Tensor, new: tf.Tensor, consumers=None) -> None:
     """Makes `consumers` (every consumer of `old` by default) take `new`."""
     for consumer in list(old.consumers() if consumers is None else consumers):

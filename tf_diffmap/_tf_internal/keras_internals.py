@@ -4,6 +4,8 @@
   variable's slots, and which optimizer an update handed to the strategy
   belongs to (`optimizer_strategy`, `optimizer_slots`, `optimizer_of_update`).
 * SGD's momentum for the length of one traced update (`momentum_of_update`).
+* An optimizer's `apply` for the length of a trace (`apply_replaced`), and
+  the variables it was built for (`optimizer_trainable_variables`).
 * Whether Keras' `evaluate` or `predict` asks for a distributed dataset,
   rather than `fit` (`for_keras_inference`).
 
@@ -136,6 +138,28 @@ def momentum_of_update(sgd: keras.optimizers.SGD, momentum: tf.Tensor):
         yield
     finally:
         sgd.momentum = nominal
+
+
+@contextlib.contextmanager
+def apply_replaced(optimizer, apply):
+    """Within, calls of `optimizer.apply` (and of its `apply_gradients`,
+    which Keras routes through `self.apply`) call `apply` instead.
+
+    Set on the instance, past Keras' attribute tracking, and removed after:
+    the class's `apply` is what `apply` itself calls. Replica steps are
+    traced one at a time, so this races with nothing.
+    """
+    object.__setattr__(optimizer, "apply", apply)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "apply")
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables a built Keras optimizer updates when `apply` is given
+    gradients alone (Keras' private `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)  # noqa: SLF001
 
 
 def for_keras_inference() -> bool:

@@ -1,0 +1,282 @@
+"""Asynchronous mini-batching: an optimizer's steps from K pushed shard gradients.
+
+Where the strategy aggregates (`Strategy(gradients_per_step=...)`, by
+default K = the number of replicas, the shards of one batch), a replica's
+call of its optimizer's `apply` does not update the variables: it pushes
+the shard's gradient to the store (`tf_diffmap.accumulators`), and the push
+that completes a window of K applies the window's mean, weighted by the
+shards' examples, as **one step of the optimizer, with its own
+hyperparameters**: its learning rate and schedule, momentum, moments, weight
+decay, clipping and `iterations` see one step per K shards, as in
+synchronous training on the whole batch. No replica waits for another: the
+others push and go on, and a slow replica's share is taken by the rest.
+
+A gradient computed on parameters more than `max_step_staleness` optimizer
+steps old is not accepted: it still counts in its window, with no weight,
+and the statistics count it dropped (the field's "discard gradients
+computed at old points", as in Rennala SGD, Tyurin and Richtarik 2023, and
+Ringmaster ASGD, Maranjyan, Tyurin and Richtarik 2025).
+
+How it reaches the optimizer: while the strategy traces a replica step,
+the `apply` of every optimizer the step can reach (`optimizers_of`: the
+model's, and those the step function names) is replaced by
+`Aggregation.apply` on that optimizer alone (`_tf_internal.apply_replaced`).
+Wrappers run per push, outside it: `keras.optimizers.LossScaleOptimizer`
+unscales and checks each shard's gradient, and `AsyncOptimizer`'s `"drop"`
+rule decides per push; the innermost optimizer takes the steps.
+
+At every drain (the end of an epoch, `evaluate`, `save`, a callback that
+reads the model), a window that is not full is applied as it is
+(`flush`), so that what is read is what was trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Iterable, Sequence
+
+import keras
+import tensorflow as tf
+
+from tf_diffmap import _tf_internal
+from tf_diffmap.accumulators import Accumulators, Window
+from tf_diffmap.optimizer import optimizer_chain
+from tf_diffmap.step import StepState, current_step, tracing_step
+from tf_diffmap.store import ParameterStore
+
+__all__ = ["Aggregation", "aggregating", "innermost", "optimizers_of", "warn_if_not_aggregated"]
+
+
+def innermost(optimizer):
+    """The optimizer that `optimizer` is or wraps, through every wrapper."""
+    last = optimizer
+    for last in optimizer_chain(optimizer):  # noqa: B007 - the last one
+        pass
+    return last
+
+
+def _optimizers_in(value, depth: int = 1) -> Iterable:
+    if isinstance(value, keras.optimizers.Optimizer):
+        yield value
+    elif isinstance(value, keras.Model) and depth > 0:
+        optimizer = getattr(value, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.Optimizer):
+            yield optimizer
+        for attribute in vars(value).values():
+            if isinstance(attribute, keras.optimizers.Optimizer):
+                yield attribute
+
+
+def optimizers_of(fn) -> list:
+    """The Keras optimizers a step function can reach, outermost first.
+
+    Those of the object a bound method belongs to (a Keras model's
+    `optimizer`, and any optimizer among its attributes, as a GAN's
+    `train_step` uses two), then those the function's code names as free
+    variables or globals, and the optimizers of models it names.
+    """
+    target = inspect.unwrap(fn)
+    found: list = []
+    owner = getattr(target, "__self__", None)
+    if owner is not None:
+        found.extend(_optimizers_in(owner))
+        if not isinstance(owner, keras.Model):
+            for attribute in vars(owner).values() if hasattr(owner, "__dict__") else ():
+                found.extend(_optimizers_in(attribute, depth=0))
+        target = getattr(target, "__func__", target)
+    try:
+        named = inspect.getclosurevars(target)
+    except (TypeError, ValueError):
+        named = None
+    if named is not None:
+        for value in [*named.nonlocals.values(), *named.globals.values()]:
+            found.extend(_optimizers_in(value))
+    return list({id(o): o for o in found}.values())
+
+
+class Aggregation:
+    """One optimizer's steps, each from a window of K pushed shard gradients.
+
+    Args:
+        optimizer: the innermost optimizer (no wrapper): its `apply` is
+            replaced while replica steps are traced.
+        store: the parameter store (the accumulators' placement, the
+            optimizer-step count).
+        gradients_per_step: K.
+        max_step_staleness: the most optimizer steps a gradient's
+            parameters may be behind and be accepted; None accepts all.
+        replicas: N, the replicas a replica's gradient is made to be summed
+            over (`tf.distribute.ReplicaContext.num_replicas_in_sync`).
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        store: ParameterStore,
+        gradients_per_step: int,
+        max_step_staleness: int | None,
+        replicas: int,
+    ):
+        self.optimizer = optimizer
+        self.replicas = replicas
+        self.store = store
+        self.gradients_per_step = gradients_per_step
+        self.max_step_staleness = max_step_staleness
+        self.accumulators: Accumulators | None = None
+        self.variables: list | None = None
+        self._flush_concrete = None
+
+    def _original_apply(self, grads, variables):
+        """The optimizer's own `apply`, whatever replaces it on the instance."""
+        return type(self.optimizer).apply(self.optimizer, grads, variables)
+
+    # -- in a replica step ---------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Pushes a replica step's gradients; the push that completes a
+        window applies the window's mean (replaces the optimizer's `apply`
+        while a replica step is traced)."""
+        state = current_step()
+        if state is None or not state.aggregating:
+            return self._original_apply(grads, trainable_variables)
+        optimizer = self.optimizer
+        if trainable_variables is None:
+            variables = _tf_internal.optimizer_trainable_variables(optimizer)
+        else:
+            variables = list(trainable_variables)
+        if not optimizer.built:
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(variables)
+            optimizer.built = True
+        self._adopt(variables)
+        grads = list(grads)
+        claim = state.claim(after=grads, record=False)
+        accepted = tf.constant(True) if claim.keep is None else claim.keep
+        if self.max_step_staleness is not None:
+            accepted = tf.logical_and(
+                accepted,
+                claim.step_staleness <= tf.constant(self.max_step_staleness, tf.int64),
+            )
+        state.record(claim, accepted, None)
+        with tf.control_dependencies([claim.staleness]):
+            window = self.accumulators.push(grads, accepted)
+        state.pushed = True
+        self._step_if_taken(window)
+
+    def _adopt(self, variables: Sequence) -> None:
+        if self.variables is None:
+            self.variables = list(variables)
+            self.accumulators = Accumulators(self.store, self.variables, self.gradients_per_step)
+            self.store.aggregates = True
+            return
+        if [id(v) for v in variables] != [id(v) for v in self.variables]:
+            raise ValueError(
+                f"{type(self.optimizer).__name__} was applied to "
+                f"{len(variables)} variables after {len(self.variables)} other ones. "
+                "Under tf_diffmap's aggregation an optimizer takes steps for one set "
+                "of variables; use one optimizer per set (as a GAN does), or "
+                "Strategy(gradients_per_step=1)."
+            )
+
+    def _step_if_taken(self, window: Window) -> tf.Tensor:
+        """One step of the optimizer on the window's mean, if a window with
+        an accepted gradient was taken; then the store counts the step (in
+        a graph).
+
+        The count waits for the conditional's output, which a function
+        gives only once every update of the branch has run.
+        """
+
+        def step():
+            self._original_apply(window.gradients(self.replicas), self.variables)
+            return tf.constant(True)
+
+        stepped = tf.cond(
+            tf.logical_and(window.taken, window.weight > 0), step, lambda: tf.constant(False)
+        )
+        with tf.device(self.store.host):
+            return self.store.optimizer_steps.assign_add(
+                tf.cast(stepped, tf.int64), read_value=False
+            )
+
+    # -- at a drain ------------------------------------------------------------
+
+    def trace_flush(self, strategy, device: str) -> None:
+        """Traces the function that applies a partial window (call once the
+        accumulators exist, in a clean thread, inside the strategy's scope)."""
+        if self.accumulators is None or self._flush_concrete is not None:
+            return
+
+        def flush():
+            with (
+                tf.device(device),
+                tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
+            ):
+                state = StepState(self.store, tf.constant(0, tf.int32))
+                with tracing_step(state, reads_as_rows=False):
+                    state.claim_outside_replicas()
+                    window = self.accumulators.flush()
+                    counted = self._step_if_taken(window)
+            with tf.control_dependencies([counted]):
+                return tf.identity(window.pushes)
+
+        self._flush_concrete = tf.function(flush, autograph=False).get_concrete_function()
+
+    def pending(self) -> int:
+        """Pushes in the window not yet applied (a read from Python)."""
+        if self.accumulators is None:
+            return 0
+        return int(self.accumulators.pending.numpy())
+
+    def flush(self) -> int:
+        """Applies a partial window now (no replica may be running).
+
+        Returns:
+            The pushes it held (0: nothing to apply).
+        """
+        if self._flush_concrete is None or not self.pending():
+            return 0
+        return int(self._flush_concrete())
+
+
+@contextlib.contextmanager
+def aggregating(optimizers: Sequence, aggregation_for):
+    """Within, each optimizer's innermost `apply` is its aggregation's.
+
+    Args:
+        optimizers: the optimizers a step can reach (`optimizers_of`).
+        aggregation_for: `innermost optimizer -> Aggregation`.
+    """
+    with contextlib.ExitStack() as stack:
+        seen = set()
+        for optimizer in optimizers:
+            inner = innermost(optimizer)
+            if id(inner) in seen:
+                continue
+            seen.add(id(inner))
+            stack.enter_context(_tf_internal.apply_replaced(inner, aggregation_for(inner).apply))
+        yield
+
+
+_warned_custom = False
+
+
+def warn_if_not_aggregated(step_name: str) -> None:
+    """Says once that a training step's optimizer was not found to aggregate."""
+    global _warned_custom
+    if _warned_custom:
+        return
+    _warned_custom = True
+    warnings.warn(
+        f"tf_diffmap.Strategy aggregates shard gradients into optimizer steps, but "
+        f"found no Keras optimizer that the training step {step_name!r} applies: "
+        "it looks for the model's optimizer, optimizers among the step's object's "
+        "attributes, and those its code names. This step's updates are applied "
+        "per shard instead. Name the optimizer in the step function (a global or "
+        "a variable of the enclosing function), or pass "
+        "Strategy(gradients_per_step=1) to apply per shard knowingly.",
+        UserWarning,
+        stacklevel=3,
+    )
