@@ -371,6 +371,17 @@ class StepFeed:
         with tf.control_dependencies([queued]):
             return self._latest_outputs()
 
+    def latest_loss(self) -> float | None:
+        """The training loss among the most recent replica step's outputs
+        (Keras' running mean of the epoch), or None if the step has none."""
+        structure, leaves, positions = self.step.output_specs()
+        numbered = tf.nest.pack_sequence_as(structure, list(range(len(leaves))))
+        index = numbered.get("loss") if isinstance(numbered, dict) else None
+        if not isinstance(index, int) or index not in positions:
+            return None
+        variable = self.output_variables[positions.index(index)]
+        return float(variable.numpy()) if variable.shape.rank == 0 else None
+
     def _latest_outputs(self):
         """The most recently finished replica step's outputs, and a flag."""
         return [*(v.read_value() for v in self.output_variables), tf.constant(True)]

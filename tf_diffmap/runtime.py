@@ -24,7 +24,9 @@ import tensorflow as tf
 
 from tf_diffmap.aggregation import Aggregation
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
+from tf_diffmap.guard import CollapseGuard
 from tf_diffmap.momentum import MomentumWatch
+from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain
 from tf_diffmap.replicas import ReplicaRecord, ReplicaReport
 from tf_diffmap.snapshots import CounterSnapshots
 from tf_diffmap.store import ParameterStore
@@ -42,6 +44,7 @@ class Feed(Protocol):
     def running(self) -> bool: ...
     def in_worker(self) -> bool: ...
     def in_flight(self) -> int: ...
+    def latest_loss(self) -> float | None: ...
     def wait_idle(self, failed) -> None: ...
     def stop(self) -> None: ...
     def mark_drained(self) -> None: ...
@@ -131,6 +134,11 @@ class Runtime:
         # threads while it waits; the workers' steps need another.
         self.graph_may_wait = inter_op_threads() >= 2
         self.momentum_watch = MomentumWatch(check_every=1)
+        # The model's optimizer, as the latest training step saw it.
+        self.model_optimizer = None
+        self.guard = CollapseGuard(
+            self._latest_loss, lambda: any(f.running() for f in self._feeds), self._advice
+        )
         # What a replica's error means, and the replicas' record; on a
         # cluster also lost tasks, and the thread that brings a lost worker
         # back.
@@ -190,6 +198,50 @@ class Runtime:
     def training_started(self) -> None:
         """Replicas start applying shards (a feed starts its loops)."""
         self._pushed = True
+        self.guard.start()
+
+    def watch_optimizer(self, optimizer) -> None:
+        """The optimizer of a model whose training step is traced."""
+        if optimizer is not self.model_optimizer:
+            self.model_optimizer = optimizer
+            self.guard.reset()
+        self.momentum_watch.watch(optimizer)
+
+    def _latest_loss(self) -> float | None:
+        losses = [loss for feed in self._feeds if (loss := feed.latest_loss()) is not None]
+        return losses[-1] if losses else None
+
+    def _advice(self) -> str:
+        """The store's mode, the staleness and what to try (for the guard)."""
+        stats = self.store.statistics()
+        staleness = (
+            f"mean staleness {stats.overall_mean_staleness:.1f} versions "
+            f"(max {stats.overall_max_staleness})"
+        )
+        if self.aggregates:
+            bound = self.max_step_staleness
+            return (
+                f"The store aggregates {self.gradients_per_step} shard gradients into each "
+                f"step of the optimizer ({staleness}, "
+                f"{stats.overall_mean_step_staleness:.2f} optimizer steps, max "
+                f"{stats.overall_max_step_staleness}; max_step_staleness={bound}), so the "
+                "optimizer takes the steps of synchronous training on the whole batch. Try "
+                "a lower learning rate: synchronous training at this one may diverge too"
+                + (
+                    "; or drop stale gradients with Strategy(max_step_staleness=1)."
+                    if bound is None or bound > 1
+                    else "."
+                )
+            )
+        wrapper = find_in_chain(self.model_optimizer, AsyncOptimizer)
+        rule = f'AsyncOptimizer rule "{wrapper.rule}"' if wrapper is not None else "no rule"
+        return (
+            f"Every shard's gradient is a step of its own here (gradients_per_step=1, "
+            f"{rule}; {staleness}): each replica's step is taken on a fraction of the "
+            "batch with the learning rate tuned for the whole batch. Leave the default, "
+            'Strategy(gradients_per_step="auto"), under which the optimizer takes one step '
+            "per batch, the steps it was tuned for."
+        )
 
     def flush_aggregations(self) -> int:
         """Applies every partial window (no replica may be running), if
@@ -223,6 +275,8 @@ class Runtime:
             # What is read is what was trained: a window that is not full
             # is applied as it is.
             self.flush_aggregations()
+            if drained:
+                self.guard.check()
         self.raise_error()
         if drained:
             # Nothing in flight: a claim that never completed was abandoned

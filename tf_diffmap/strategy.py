@@ -217,9 +217,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         """The traced replica step for this call (and signature), or its feed."""
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
-        self.runtime.momentum_watch.watch(
-            getattr(getattr(target, "__self__", None), "optimizer", None)
-        )
+        self.runtime.watch_optimizer(getattr(getattr(target, "__self__", None), "optimizer", None))
         key = (target, *signature_of(args, kwargs))
         step = self._steps.get(key)
         if step is None:
