@@ -1,17 +1,19 @@
 """Trains a small MLP on scikit-learn's digits with `tf_diffmap.Strategy`.
 
 The host CPU is split into logical devices, one per replica. Each replica
-computes the gradient of its own shard of every batch and applies it to the
-parameter store without waiting for the others; at the end the script prints
-the validation accuracy, the wall time of `fit`, and the store's staleness
-statistics: per replica, how many updates it applied (its work share) and how
-stale they were.
+computes the gradient of its own shard of every batch and pushes it to the
+parameter store without waiting for the others; the store applies each
+window of one gradient per replica as one step of the optimizer. At the end
+the script prints the validation accuracy, the wall time of `fit`, and the
+store's statistics: per replica, how many gradients it pushed (its work
+share) and how stale they were, in versions and in optimizer steps.
 
 With `--slow-replica-ms`, replica 0 sleeps during each of its training steps.
 The other replicas do not wait for it: they take more shards from the shared
-queue, which shows in the work shares. `--staleness` picks a staleness-aware
-update rule of `tf_diffmap.AsyncOptimizer`, `--max-staleness` bounds how far
-the fast replicas may run ahead of the slow one.
+queue, which shows in the work shares. `--gradients-per-step 1` applies every
+shard's gradient as a step of its own, where `--staleness` picks a
+staleness-aware update rule of `tf_diffmap.AsyncOptimizer`; `--max-staleness`
+bounds how far the fast replicas may run ahead of the slow one.
 
 Example:
     python examples/train_digits.py --replicas 4 --slow-replica-ms 20
@@ -68,6 +70,11 @@ def main() -> None:
     )
     parser.add_argument("--max-staleness", type=int, default=None, help="bounded staleness")
     parser.add_argument(
+        "--gradients-per-step",
+        default="auto",
+        help='shard gradients per optimizer step: "auto" (one per replica) or a number',
+    )
+    parser.add_argument(
         "--logdir",
         default=None,
         help="write TensorBoard logs here (then: tensorboard --logdir DIR)",
@@ -79,7 +86,11 @@ def main() -> None:
     keras.utils.set_random_seed(0)
     x_train, x_val, y_train, y_val = load_data()
 
-    strategy = tf_diffmap.Strategy(max_staleness=args.max_staleness)
+    per_step = args.gradients_per_step
+    strategy = tf_diffmap.Strategy(
+        max_staleness=args.max_staleness,
+        gradients_per_step=per_step if per_step == "auto" else int(per_step),
+    )
     print(f"tf_diffmap {tf_diffmap.__version__}, TensorFlow {tf.__version__}: {strategy}")
     with strategy.scope():
         model = build_model(args.slow_replica_ms)

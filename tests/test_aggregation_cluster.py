@@ -25,9 +25,8 @@ CHIEF = textwrap.dedent(
         with strategy.scope():
             # With inputs of ones, the summed output's gradient is 1 per
             # weight: every step of the optimizer moves each weight by LR.
-            model = keras.Sequential(
-                [keras.Input((4,)), keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")]
-            )
+            dense = keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")
+            model = keras.Sequential([keras.Input((4,)), dense])
             model.compile(optimizer=keras.optimizers.SGD(LR),
                           loss=lambda y, p: tf.reduce_sum(p, axis=-1))
         runtime = strategy.extended.runtime

@@ -122,7 +122,9 @@ class CollapseGuard:
             if self.warned or (self._thread is not None and self._thread.is_alive()):
                 return
             self._stop.clear()
-            self._thread = threading.Thread(target=self._watch, name="tf_diffmap-guard", daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, name="tf_diffmap-guard", daemon=True
+            )
             self._thread.start()
 
     def stop(self) -> None:
