@@ -13,7 +13,14 @@ import tensorflow as tf
 
 from tf_diffmap.cluster.faults import wait_for_tasks
 
-__all__ = ["CONNECT_TIMEOUT", "connect", "fail_fast", "resolve_cluster", "strategy_for_cluster"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "check_client",
+    "connect",
+    "fail_fast",
+    "resolve_cluster",
+    "strategy_for_cluster",
+]
 
 CLIENT_JOBS = ("chief", "client", "evaluator")
 
@@ -55,6 +62,38 @@ def resolve_cluster(cluster_resolver=None):
     return tf.distribute.cluster_resolver.TFConfigClusterResolver()
 
 
+def check_client(resolver: tf.distribute.cluster_resolver.ClusterResolver) -> dict:
+    """The cluster's jobs, checked for a client that trains on it; connects nothing.
+
+    What `connect` (and so `strategy_for_cluster`) requires of the cluster and
+    of this process's task before it waits for any task to serve.
+
+    Args:
+        resolver: a `tf.distribute.cluster_resolver.ClusterResolver`.
+
+    Returns:
+        The cluster spec as a dict: job name to task addresses.
+
+    Raises:
+        ValueError: a cluster without `worker` or `ps` tasks, or a task type
+            that is not a client job (`chief`).
+    """
+    spec = resolver.cluster_spec().as_dict()
+    for job in ("worker", "ps"):
+        if not spec.get(job):
+            raise ValueError(
+                f"The cluster has no '{job}' tasks (jobs: {sorted(spec)}); "
+                "tf_diffmap needs workers for the replicas and ps tasks for the store."
+            )
+    if resolver.task_type not in CLIENT_JOBS:
+        raise ValueError(
+            f"This process is task type {resolver.task_type!r}; the process that trains "
+            f"must be one of {CLIENT_JOBS}. Start workers and ps tasks with "
+            "`python -m tf_diffmap.cluster` instead."
+        )
+    return spec
+
+
 def connect(
     cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT
 ) -> tuple[list[str], list[str]]:
@@ -82,20 +121,8 @@ def connect(
             `connect_timeout`, named with their addresses.
     """
     resolver = resolve_cluster(cluster_resolver)
-    spec = resolver.cluster_spec().as_dict()
-    for job in ("worker", "ps"):
-        if not spec.get(job):
-            raise ValueError(
-                f"The cluster has no '{job}' tasks (jobs: {sorted(spec)}); "
-                "tf_diffmap needs workers for the replicas and ps tasks for the store."
-            )
+    spec = check_client(resolver)
     task_type = resolver.task_type
-    if task_type not in CLIENT_JOBS:
-        raise ValueError(
-            f"This process is task type {task_type!r}; the process that trains "
-            f"must be one of {CLIENT_JOBS}. Start workers and ps tasks with "
-            "`python -m tf_diffmap.cluster` instead."
-        )
     indices = lambda tasks: tasks if isinstance(tasks, dict) else range(len(tasks))  # noqa: E731
     wait_for_tasks(
         {

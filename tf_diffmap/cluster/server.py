@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_diffmap.cluster.connect import fail_fast, resolve_cluster
 from tf_diffmap.cluster.local import parse_local_spec, run_local
 
-__all__ = ["main", "serve"]
+__all__ = ["check_server", "main", "serve"]
 
 
 def serve(
@@ -41,19 +41,15 @@ def serve(
             not outlive the process that started it.
 
     Raises:
-        ValueError: no TF_CONFIG, a task type other than worker or ps, or
-            `logical_cpus` below 1.
+        ValueError: no TF_CONFIG, a task type other than worker or ps, a
+            task that its cluster does not list, or `logical_cpus` below 1.
     """
     if not isinstance(logical_cpus, int) or logical_cpus < 1:
         raise ValueError(f"logical_cpus must be an integer >= 1, received {logical_cpus!r}.")
     if config is not None:
         os.environ["TF_CONFIG"] = config
     resolver = resolve_cluster()
-    if resolver.task_type not in ("worker", "ps"):
-        raise ValueError(
-            f"`python -m tf_diffmap.cluster` serves worker and ps tasks; TF_CONFIG "
-            f"names task type {resolver.task_type!r}."
-        )
+    check_server(resolver)
     # The server makes its devices from its own session config, not from
     # tf.config's logical device configuration.
     fail_fast()
@@ -80,6 +76,35 @@ def serve(
     # Ctrl-C; the default action ends the process instead.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     server.join()
+
+
+def check_server(resolver: tf.distribute.cluster_resolver.ClusterResolver) -> None:
+    """Checks that the cluster names a worker or ps task for this process to serve.
+
+    What `serve` requires of TF_CONFIG before it starts a server; starts
+    nothing.
+
+    Args:
+        resolver: a `tf.distribute.cluster_resolver.ClusterResolver`.
+
+    Raises:
+        ValueError: a task type other than worker or ps, or a task that the
+            cluster does not list.
+    """
+    if resolver.task_type not in ("worker", "ps"):
+        raise ValueError(
+            f"`python -m tf_diffmap.cluster` serves worker and ps tasks; TF_CONFIG "
+            f"names task type {resolver.task_type!r}."
+        )
+    jobs = resolver.cluster_spec().as_dict()
+    tasks = jobs.get(resolver.task_type, [])
+    indices = list(tasks) if isinstance(tasks, dict) else range(len(tasks))
+    if resolver.task_id not in indices:
+        raise ValueError(
+            f"TF_CONFIG names task {resolver.task_type!r} {resolver.task_id!r}, which its "
+            f"cluster does not list ({resolver.task_type!r} tasks: {list(indices)}); give "
+            "the index of this task's address in cluster."
+        )
 
 
 def _exit_at_end_of_stdin() -> None:
