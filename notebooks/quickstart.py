@@ -143,7 +143,7 @@ x_train, x_val, y_train, y_val = split
 print(f"{len(x_train)} training and {len(x_val)} validation images")
 
 # %% [markdown]
-# ## Train with `tf_diffmap.Strategy`
+# ## Train with the strategy
 #
 # `tf_diffmap.Strategy()` takes every GPU, or where there is none every CPU
 # device: here, the logical devices made above. As with any `tf.distribute`

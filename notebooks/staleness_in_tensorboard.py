@@ -165,7 +165,7 @@ with strategy.scope():
     )
 
 # %% [markdown]
-# ## Train with `StalenessTensorBoard`
+# ## Train with the Staleness callback
 #
 # Give `tf_diffmap.StalenessTensorBoard` the log directory of Keras' own
 # `TensorBoard` callback: Keras writes losses and metrics into the runs `train`
