@@ -451,7 +451,7 @@ class Strategy(_tf_internal.StrategyBase):
         if devices is None:
             base = default_replica_devices()
         else:
-            base = resolve_devices(devices, "devices")
+            base = resolve_devices(devices, "devices", one_name=False)
         if parameter_device is None:
             parameters = resolve_devices(["CPU:0"], "parameter_device")
         else:

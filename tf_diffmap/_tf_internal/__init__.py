@@ -20,6 +20,7 @@ Modules, by job:
 * `row_reads`: reads of large tables by rows inside a replica step.
 * `graphs`: rewrites of a traced step's graph (placement, packing of the
   values crossing between tasks, `tf.function`'s control dependencies).
+* `frames`: the stack walk that points a warning at the user's line.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
   momentum per update, and whether `fit` or `evaluate`/`predict` asks.
 """
@@ -46,6 +47,7 @@ from tf_diffmap._tf_internal.distribute import (
     is_mixed_strategy_error,
     reconnect_cluster,
 )
+from tf_diffmap._tf_internal.frames import user_stacklevel
 from tf_diffmap._tf_internal.graphs import (
     PACK_MAX_BYTES,
     PACKED_SCOPE,
@@ -118,4 +120,5 @@ __all__ = [
     "replica_tracing",
     "resolve_row_reads",
     "rewire_late_uses",
+    "user_stacklevel",
 ]
