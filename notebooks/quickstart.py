@@ -110,7 +110,7 @@ BATCH_SIZE = 64
 # several physical devices.
 
 # %%
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow's start-up logs
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's info logs
 
 import tensorflow as tf
 

@@ -104,7 +104,7 @@ LOG_DIR = "logs/digits"  # this run's TensorBoard log directory
 # several physical devices.
 
 # %%
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow's start-up logs
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's info logs
 
 import tensorflow as tf
 
