@@ -36,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, inputs, outputs
+from tf_diffmap import _tf_internal, inputs, outputs, scope_watch
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
@@ -478,6 +478,8 @@ class Strategy(_tf_internal.StrategyBase):
                 partitioner,
             )
         )
+        # A model built outside every scope would train as plain Keras, silently.
+        scope_watch.register(self)
 
     @property
     def _runtime(self) -> Runtime:

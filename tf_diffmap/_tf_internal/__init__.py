@@ -22,7 +22,8 @@ Modules, by job:
   values crossing between tasks, `tf.function`'s control dependencies).
 * `frames`: the stack walk that points a warning at the user's line.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
-  momentum per update, and whether `fit` or `evaluate`/`predict` asks.
+  momentum per update, whether `fit` or `evaluate`/`predict` asks, and a
+  check at the start of every `fit`.
 """
 
 from tf_diffmap._tf_internal.checks import (
@@ -62,6 +63,7 @@ from tf_diffmap._tf_internal.keras_internals import (
     optimizer_of_update,
     optimizer_slots,
     optimizer_strategy,
+    watch_fit,
 )
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
@@ -121,4 +123,5 @@ __all__ = [
     "resolve_row_reads",
     "rewire_late_uses",
     "user_stacklevel",
+    "watch_fit",
 ]
