@@ -25,6 +25,10 @@ import argparse
 import os
 import time
 
+# Before anything imports TensorFlow (keras, tf_diffmap): from level 2 on,
+# TensorFlow's informational and warning logs, cpu_feature_guard's notice
+# among them, are hidden. Its oneDNN notice is not, whatever the level
+# (docs/troubleshooting.md).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402

@@ -110,7 +110,7 @@ BATCH_SIZE = 64
 # several physical devices.
 
 # %%
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow's start-up logs
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's info logs
 
 import tensorflow as tf
 
@@ -143,7 +143,7 @@ x_train, x_val, y_train, y_val = split
 print(f"{len(x_train)} training and {len(x_val)} validation images")
 
 # %% [markdown]
-# ## Train with `tf_diffmap.Strategy`
+# ## Train with the strategy
 #
 # `tf_diffmap.Strategy()` takes every GPU, or where there is none every CPU
 # device: here, the logical devices made above. As with any `tf.distribute`

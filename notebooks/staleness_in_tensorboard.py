@@ -104,7 +104,7 @@ LOG_DIR = "logs/digits"  # this run's TensorBoard log directory
 # several physical devices.
 
 # %%
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow's start-up logs
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's info logs
 
 import tensorflow as tf
 
@@ -165,7 +165,7 @@ with strategy.scope():
     )
 
 # %% [markdown]
-# ## Train with `StalenessTensorBoard`
+# ## Train with the Staleness callback
 #
 # Give `tf_diffmap.StalenessTensorBoard` the log directory of Keras' own
 # `TensorBoard` callback: Keras writes losses and metrics into the runs `train`

@@ -112,7 +112,7 @@ MAX_STALENESS = 2  # bounded staleness: steps a replica may run ahead of the slo
 # several physical devices.
 
 # %%
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet TensorFlow's start-up logs
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide TensorFlow's info logs
 
 import tensorflow as tf
 

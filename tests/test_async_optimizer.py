@@ -53,9 +53,14 @@ def test_delegates_to_the_inner_optimizer():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"weight_decay": 0.1}, "does not take `weight_decay`.*inner optimizer"),
+        ({"weight_decay": 0.1}, "does not take `weight_decay`: set it on the inner optimizer"),
         ({"clipnorm": 1.0}, "does not take `clipnorm`"),
-        ({"momentum": 0.9}, "does not support arguments: `momentum`"),
+        (
+            {"weight_decay": 0.1, "clipnorm": 1.0},
+            "does not take `weight_decay`, `clipnorm`: set them on the inner optimizer",
+        ),
+        ({"momentum": 0.9}, "does not support the argument `momentum`;"),
+        ({"momentum": 0.9, "nesterov": True}, "the arguments `momentum`, `nesterov`;"),
         ({"staleness": "sqrt"}, "staleness must be one of"),
         ({"staleness": "drop"}, "needs drop_above"),
         ({"drop_above": -1}, "drop_above must be an int >= 0, received -1"),
@@ -68,6 +73,14 @@ def test_delegates_to_the_inner_optimizer():
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_the_momentum_rule_names_the_optimizer_class_it_was_given():
+    with pytest.raises(ValueError) as raised:
+        tf_diffmap.AsyncOptimizer(keras.optimizers.Adam(1e-3), staleness="momentum")
+    message = str(raised.value)
+    assert "received Adam with momentum 0.0" in message
+    assert "<" not in message and "object at" not in message
 
 
 def test_wraps_only_optimizers():

@@ -4,6 +4,9 @@ That following its advice trains where the plain optimizer collapses is
 tested where staleness is real, in `test_convergence_regimes.py`.
 """
 
+import inspect
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -84,3 +87,29 @@ def test_watch_warns_once_and_reads_statistics_only_when_it_checks():
         watch.watch(sgd_momentum())
         watch.check(read)
         watch.check(read)
+
+
+def test_the_warning_from_fit_names_the_users_line(data):
+    """The warning is due at an epoch's end, deep inside Keras' `fit` and the
+    strategy's drain; it names the line that called `fit`, not the package's."""
+    x, y = data
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+        model.compile(
+            keras.optimizers.SGD(0.01, momentum=0.999),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    # Check at every drain, trusting the first update: momentum 0.999 plus
+    # any staleness's own is past 1.
+    watch = strategy.extended.runtime.momentum_watch
+    watch.check_every, watch.min_updates = 1, 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        model.fit(x, y, batch_size=64, epochs=3, verbose=0)
+    found = [w for w in caught if "applies momentum 0.999" in str(w.message)]
+    if strategy.statistics().overall_mean_staleness == 0:
+        pytest.skip("no update was stale in this run, so no momentum was added")
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert (found[0].filename, found[0].lineno) == (__file__, line)

@@ -42,6 +42,18 @@ def test_cpu_replicas_compute_on_their_tasks_cpu0():
         ({"devices": ["CPU:9"]}, "Available devices"),
         ({"devices": ["CPU:0", "cpu:0"]}, "replicas_per_device"),
         ({"devices": ["not a device"]}, "not a device"),
+        (
+            {"devices": ["cpu0"]},
+            "devices holds 'cpu0', which is not a device name; write a device as 'CPU:0', "
+            "'GPU:1' or '/job:worker/task:0/device:GPU:1'",
+        ),
+        ({"devices": ["/job:localhost"]}, "'/job:localhost', which names no device type"),
+        ({"parameter_device": "cpu0"}, "parameter_device holds 'cpu0', which is not a device"),
+        (
+            {"devices": "CPU:0"},
+            r"devices takes a list of device names, received the string 'CPU:0'\. "
+            r"For one device write devices=\['CPU:0'\]",
+        ),
         ({"parameter_device": "CPU:17"}, "parameter_device names 'CPU:17'"),
         ({"replicas_per_device": 0}, "replicas_per_device must be an int >= 1, received 0"),
         ({"max_staleness": -1}, "max_staleness must be None .* received -1"),
@@ -56,6 +68,13 @@ def test_cpu_replicas_compute_on_their_tasks_cpu0():
 def test_bad_options_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tf_diffmap.Strategy(**kwargs)
+
+
+def test_a_parameter_device_may_be_one_name():
+    # Unlike `devices`, where a string is refused, one parameter device is the
+    # common case and is documented as "one device, or a list".
+    strategy = tf_diffmap.Strategy(parameter_device="CPU:1")
+    assert strategy.parameter_devices == ("/device:CPU:1",)
 
 
 def test_splitting_after_initialization_says_what_to_do():

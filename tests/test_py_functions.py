@@ -10,6 +10,7 @@ makes no executor. The package's own layer uses it, and the strategy warns
 of a `tf.py_function` in a training step.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -38,16 +39,25 @@ class PythonIdentity(keras.layers.Layer):
         return tf.ensure_shape(passed, inputs.shape)
 
 
-def _fit_and_catch(layer: keras.layers.Layer) -> list[str]:
-    """Fits a small model holding `layer` under the strategy; the warnings."""
+def _fit_and_catch(layer: keras.layers.Layer, where: list | None = None) -> list[str]:
+    """Fits a small model holding `layer` under the strategy; the warnings.
+
+    `where`, if given, receives each warning's (filename, line), and then the
+    line of the `fit` call.
+    """
     x, y = classification_data(n=128)
     with tf_diffmap.Strategy().scope():
         model = keras.Sequential([keras.Input((8,)), layer, keras.layers.Dense(2)])
         compile_logits(model, "sgd")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        fit_line = inspect.currentframe().f_lineno + 1
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    return [str(w.message) for w in caught if "tf.py_function" in str(w.message)]
+    found = [w for w in caught if "tf.py_function" in str(w.message)]
+    if where is not None:
+        where.extend((w.filename, w.lineno) for w in found)
+        where.append((__file__, fit_line))
+    return [str(w.message) for w in found]
 
 
 def test_replica_delay_makes_no_eager_py_function():
@@ -70,8 +80,11 @@ def test_eager_py_functions_finds_those_of_called_functions():
 
 
 def test_a_py_function_in_the_training_step_is_warned_of():
-    messages = _fit_and_catch(PythonIdentity("py_function"))
+    where = []
+    messages = _fit_and_catch(PythonIdentity("py_function"), where)
     assert len(messages) == 1, messages
+    # Given while the step is traced inside `fit`: it names the line of `fit`.
+    assert where[0] == where[1]
     assert "identity_py_function" in messages[0]
     assert "tf.numpy_function" in messages[0]
 

@@ -4,9 +4,12 @@ import importlib.util
 
 if importlib.util.find_spec("tensorflow") is None:
     raise ImportError(
-        "tf_diffmap needs TensorFlow 2.21, which is not installed. Install it "
-        'with the package: pip install "tf-diffmap[cpu]" on a CPU-only host, '
-        'or "tf-diffmap[gpu]" on a GPU host.'
+        "tf_diffmap needs TensorFlow 2.21 or 2.22, which is not installed. "
+        "Install tf_diffmap with its TensorFlow extra: in a clone, "
+        'pip install -e ".[cpu]" on a CPU-only host or pip install -e ".[gpu]" '
+        "on a GPU host; from a wheel built with python -m build, "
+        'pip install "tf_diffmap-0.1.0-py3-none-any.whl[cpu]" (or [gpu]). '
+        "tf_diffmap is not on the package index yet."
     )
 
 from tf_diffmap import testing

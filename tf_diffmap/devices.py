@@ -218,12 +218,20 @@ def task_parts(device: str) -> tuple[str, int, int]:
     return spec.job or "localhost", spec.replica or 0, spec.task or 0
 
 
-def _canonical(name: str) -> str:
-    spec = tf.DeviceSpec.from_string(name)
+# How a device name is written, for error messages.
+_DEVICE_FORMS = "'CPU:0', 'GPU:1' or '/job:worker/task:0/device:GPU:1'"
+
+
+def _canonical(name: str, what: str = "devices") -> str:
+    try:
+        spec = tf.DeviceSpec.from_string(name)
+    except (ValueError, TypeError) as error:  # TensorFlow's own parse error, e.g. for 'cpu0'
+        raise ValueError(
+            f"{what} holds {name!r}, which is not a device name; write a device as {_DEVICE_FORMS}."
+        ) from error
     if spec.device_type is None:
         raise ValueError(
-            f"Device {name!r} names no device type; write it as 'CPU:0', "
-            "'/device:GPU:1' or '/job:worker/task:0/device:CPU:0'."
+            f"{what} holds {name!r}, which names no device type; write a device as {_DEVICE_FORMS}."
         )
     spec = spec.replace(device_type=spec.device_type.upper())
     if spec.device_index is None:
@@ -231,21 +239,35 @@ def _canonical(name: str) -> str:
     return spec.to_string()
 
 
-def resolve_devices(devices: Sequence[str] | str, what: str = "devices") -> list[str]:
+def resolve_devices(
+    devices: Sequence[str] | str, what: str = "devices", one_name: bool = True
+) -> list[str]:
     """Canonical names of `devices`, each checked to exist.
 
     Args:
         devices: device names such as `"GPU:0"` or `"/device:CPU:1"`.
         what: how the caller names the argument, for error messages.
+        one_name: whether a single name (a `str`) stands for a list of one.
+            `Strategy(devices=...)` refuses it: a string is a sequence of
+            characters, and `devices="CPU:0"` for a list of devices would
+            silently train one replica.
 
     Returns:
         Canonical device names, in the order given.
 
     Raises:
         ValueError: an empty list, a name that is not a device name, a device
-            that this TensorFlow process does not have, or a duplicate.
+            that this TensorFlow process does not have, a duplicate, or a
+            single name where `one_name` is False.
     """
     if isinstance(devices, str):
+        if not one_name:
+            raise ValueError(
+                f"{what} takes a list of device names, received the string {devices!r}. "
+                f"For one device write {what}=[{devices!r}] (with replicas_per_device=k "
+                f"to run k replicas on it); for several, list them: {what}=['CPU:0', "
+                "'CPU:1'], or leave it out to use every GPU (else every logical CPU device)."
+            )
         devices = [devices]
     devices = list(devices)
     if not devices:
@@ -258,15 +280,7 @@ def resolve_devices(devices: Sequence[str] | str, what: str = "devices") -> list
     for name in devices:
         if not isinstance(name, str):
             raise ValueError(f"{what} must hold device names (str), received {name!r}.")
-        try:
-            canonical = _canonical(name)
-        except ValueError:
-            raise
-        except Exception as error:  # DeviceSpec's own parse errors
-            raise ValueError(
-                f"{what} holds {name!r}, which is not a device name; write "
-                "device names as 'CPU:0' or '/device:GPU:1'."
-            ) from error
+        canonical = _canonical(name, what)
         if canonical not in known:
             raise ValueError(
                 f"{what} names {name!r}, which this process does not have. "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+from tf_diffmap import _tf_internal
 from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain, heavy_ball_momentum
 from tf_diffmap.rules import implicit_momentum
 from tf_diffmap.staleness import StalenessStats
@@ -115,4 +116,5 @@ class MomentumWatch:
         message = momentum_warning(self._optimizer, statistics(), self.min_updates)
         if message is not None:
             self.warned = True
-            warnings.warn(message, UserWarning, stacklevel=2)
+            # Due at an epoch's end, deep inside `fit`: name the user's line.
+            warnings.warn(message, UserWarning, stacklevel=_tf_internal.user_stacklevel())

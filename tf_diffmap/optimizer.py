@@ -219,14 +219,17 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         refused = [k for k in kwargs if k in _BASE_ARGUMENTS]
         unknown = [k for k in kwargs if k not in _BASE_ARGUMENTS]
         if refused:
+            it = "them" if len(refused) > 1 else "it"
             raise ValueError(
                 f"AsyncOptimizer does not take `{'`, `'.join(refused)}`: set "
-                "them on the inner optimizer, e.g. AsyncOptimizer("
+                f"{it} on the inner optimizer, e.g. AsyncOptimizer("
                 "keras.optimizers.Adam(1e-3, weight_decay=1e-4))."
             )
         if unknown:
+            noun = "arguments" if len(unknown) > 1 else "argument"
             raise ValueError(
-                f"AsyncOptimizer does not support arguments: `{'`, `'.join(unknown)}`."
+                f"AsyncOptimizer does not support the {noun} `{'`, `'.join(unknown)}`; "
+                "see help(tf_diffmap.AsyncOptimizer) for the arguments it takes."
             )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise ValueError(
@@ -263,7 +266,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
         if staleness == "momentum" and heavy_ball_momentum(inner_optimizer) <= 0:
             raise ValueError(
                 'staleness="momentum" lowers the momentum of a keras.optimizers.SGD '
-                f"with momentum > 0; received {inner_optimizer!r} with momentum "
+                f"with momentum > 0; received {type(inner_optimizer).__name__} with momentum "
                 f"{heavy_ball_momentum(inner_optimizer)}. Use "
                 'AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), staleness="momentum"), '
                 'or staleness="auto", which picks a rule for any optimizer.'

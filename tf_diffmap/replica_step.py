@@ -323,5 +323,5 @@ def _warn_of_py_functions(concrete) -> None:
             '("Mutex corrupt"), crash it or hang it. Use tf.numpy_function, '
             "whose function takes and returns NumPy arrays and has no such hazard.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=_tf_internal.user_stacklevel(),
         )

@@ -110,7 +110,7 @@ def updates_rows(optimizer) -> bool:
             "(an embedding table's) as Keras does, densely: each update "
             "reads and writes the whole table and its slots. SGD, Adagrad, "
             "Adam, AdamW and Ftrl update only the rows a batch touched.",
-            stacklevel=2,
+            stacklevel=_tf_internal.user_stacklevel(),
         )
     return False
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, inputs, outputs
+from tf_diffmap import _tf_internal, inputs, outputs, scope_watch
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
@@ -486,7 +486,7 @@ class Strategy(_tf_internal.StrategyBase):
         if devices is None:
             base = default_replica_devices()
         else:
-            base = resolve_devices(devices, "devices")
+            base = resolve_devices(devices, "devices", one_name=False)
         if parameter_device is None:
             parameters = resolve_devices(["CPU:0"], "parameter_device")
         else:
@@ -517,6 +517,8 @@ class Strategy(_tf_internal.StrategyBase):
                 max_step_staleness,
             )
         )
+        # A model built outside every scope would train as plain Keras, silently.
+        scope_watch.register(self)
 
     @property
     def _runtime(self) -> Runtime:

@@ -20,9 +20,11 @@ Modules, by job:
 * `row_reads`: reads of large tables by rows inside a replica step.
 * `graphs`: rewrites of a traced step's graph (placement, packing of the
   values crossing between tasks, `tf.function`'s control dependencies).
+* `frames`: the stack walk that points a warning at the user's line.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
-  momentum per update, an optimizer's `apply` while a step is traced, and
-  whether `fit` or `evaluate`/`predict` asks.
+  momentum per update, an optimizer's `apply` while a step is traced,
+  whether `fit` or `evaluate`/`predict` asks, and a check at the start of
+  every `fit`.
 """
 
 from tf_diffmap._tf_internal.checks import (
@@ -47,6 +49,7 @@ from tf_diffmap._tf_internal.distribute import (
     is_mixed_strategy_error,
     reconnect_cluster,
 )
+from tf_diffmap._tf_internal.frames import user_stacklevel
 from tf_diffmap._tf_internal.graphs import (
     PACK_MAX_BYTES,
     PACKED_SCOPE,
@@ -64,6 +67,7 @@ from tf_diffmap._tf_internal.keras_internals import (
     optimizer_slots,
     optimizer_strategy,
     optimizer_trainable_variables,
+    watch_fit,
 )
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
@@ -125,4 +129,6 @@ __all__ = [
     "replica_tracing",
     "resolve_row_reads",
     "rewire_late_uses",
+    "user_stacklevel",
+    "watch_fit",
 ]

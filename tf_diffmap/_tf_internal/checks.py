@@ -251,6 +251,9 @@ def _trainer_problems() -> list[str]:
             problems.append(f"keras.Model.{name} is no longer defined in Keras' trainer module")
     if "epoch_iterator = " not in _source(keras.Model.fit):
         problems.append("keras.Model.fit no longer keeps its iterator in `epoch_iterator`")
+    # `watch_fit` wraps `keras.Model.fit`: a Sequential model must use it.
+    if "fit" in vars(keras.Sequential):
+        problems.append("keras.Sequential defines its own `fit`, which `watch_fit` does not see")
     return problems
 
 

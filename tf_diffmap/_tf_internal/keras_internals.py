@@ -8,6 +8,7 @@
   the variables it was built for (`optimizer_trainable_variables`).
 * Whether Keras' `evaluate` or `predict` asks for a distributed dataset,
   rather than `fit` (`for_keras_inference`).
+* A check at the start of every `keras.Model.fit` (`watch_fit`).
 
 Keras 3 offers no public way to do any of these; `checks` says when a Keras
 release moves what they rely on, and tests/test_tf_internal.py exercises
@@ -17,7 +18,9 @@ each through Keras itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -183,3 +186,37 @@ def for_keras_inference() -> bool:
                 return "epoch_iterator" in frame.f_locals
         frame = frame.f_back
     return False
+
+
+# The checks `watch_fit` runs, in order, and the mark of its wrapper.
+_FIT_CHECKS: list[Callable[[keras.Model], None]] = []
+_WATCHED = "_tf_diffmap_watched"
+
+
+def watch_fit(check: Callable[[keras.Model], None]) -> None:
+    """From now on, `check(model)` runs at the start of every `keras.Model.fit`.
+
+    A model built outside every strategy's scope trains under TensorFlow's
+    default strategy, and its `fit` calls nothing of the package's; Keras has
+    no hook for the start of a `fit`. So `keras.Model.fit` is replaced, once
+    per process, by a function that runs the checks and then Keras' own
+    `fit` with the same arguments. A check must not raise; it runs for every
+    model of the process, so it must be cheap.
+
+    Args:
+        check: called with the model whose `fit` starts; added once.
+    """
+    if check not in _FIT_CHECKS:
+        _FIT_CHECKS.append(check)
+    if getattr(keras.Model.fit, _WATCHED, False):
+        return
+    keras_fit = keras.Model.fit
+
+    @functools.wraps(keras_fit)
+    def fit(self, *args, **kwargs):
+        for each in tuple(_FIT_CHECKS):
+            each(self)
+        return keras_fit(self, *args, **kwargs)
+
+    setattr(fit, _WATCHED, True)
+    keras.Model.fit = fit
