@@ -4,6 +4,7 @@ That following its advice trains where the plain optimizer collapses is
 tested where staleness is real, in `test_convergence_regimes.py`.
 """
 
+import dataclasses
 import inspect
 import warnings
 
@@ -57,6 +58,13 @@ def test_no_warning_when_nothing_is_wrong_yet(optimizer, mean_staleness, min_upd
     assert momentum_warning(optimizer(), stats(mean_staleness), min_updates) is None
 
 
+def test_no_warning_where_gradients_are_aggregated_into_steps():
+    """The optimizer then takes the steps of synchronous training."""
+    aggregated = dataclasses.replace(stats(8.0), steps=25)
+    assert momentum_warning(sgd_momentum(), aggregated) is None
+    assert momentum_warning(sgd_momentum(), stats(8.0)) is not None
+
+
 def test_an_uncorrected_rule_is_warned_about():
     optimizer = tf_diffmap.AsyncOptimizer(sgd_momentum(), staleness="dc")
     assert momentum_warning(optimizer, stats(9.0)) is not None
@@ -93,7 +101,7 @@ def test_the_warning_from_fit_names_the_users_line(data):
     """The warning is due at an epoch's end, deep inside Keras' `fit` and the
     strategy's drain; it names the line that called `fit`, not the package's."""
     x, y = data
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(gradients_per_step=1)
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
         model.compile(

@@ -44,10 +44,16 @@ def momentum_warning(optimizer, stats: StalenessStats, min_updates: int = 0) -> 
         min_updates: say nothing before this many updates were applied.
 
     Returns:
-        A message when the optimizer is SGD with a momentum that no
-        `AsyncOptimizer` rule corrects, and that momentum plus the momentum
-        asynchrony adds at the measured mean staleness is 1 or more; else None.
+        A message when every shard's gradient is a step of its own, the
+        optimizer is SGD with a momentum that no `AsyncOptimizer` rule
+        corrects, and that momentum plus the momentum asynchrony adds at the
+        measured mean staleness is 1 or more; else None. Where the store
+        aggregates gradients into steps, the optimizer takes the steps of
+        synchronous training, and none is due (the collapse guard,
+        `tf_diffmap.guard`, says so if training collapses all the same).
     """
+    if stats.aggregated:
+        return None
     momentum = heavy_ball_momentum(optimizer)
     if momentum <= 0 or _corrects_momentum(optimizer):
         return None
@@ -68,7 +74,9 @@ def momentum_warning(optimizer, stats: StalenessStats, min_updates: int = 0) -> 
         "tf_diffmap.AsyncOptimizer(...) and keep its default rule for SGD, "
         'staleness="linear": it divides the learning rate by the number of '
         f"replicas ({stats.num_replicas}), so that each replica's update, computed on "
-        "its share of the batch, takes the synchronous step per example."
+        "its share of the batch, takes the synchronous step per example. Or leave "
+        'the strategy\'s default, gradients_per_step="auto": the store then takes one '
+        "step of the optimizer per batch, from all its shards' gradients."
     )
 
 
