@@ -59,7 +59,8 @@ class ReplicaReport:
         state: "running", "stopped", "failed", "lost" or "rejoining".
         since: wall-clock time (`time.time()`) of the last change of state
             caused by a fault, or None.
-        error: the error that made it lost, or None.
+        error: the error that made it lost, while it is lost; None once it
+            runs again.
         lost: how many times this replica was lost.
     """
 
@@ -246,6 +247,7 @@ class ReplicaRecord:
         with self._lock:
             self._lost.difference_update(replicas)
             for r in replicas:
+                # The error that made it lost is over: `lost` keeps the count.
                 self._reports[r] = dataclasses.replace(
-                    self._reports[r], state="running", since=time.time()
+                    self._reports[r], state="running", since=time.time(), error=None
                 )

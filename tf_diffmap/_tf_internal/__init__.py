@@ -20,6 +20,8 @@ Modules, by job:
 * `row_reads`: reads of large tables by rows inside a replica step.
 * `graphs`: rewrites of a traced step's graph (placement, packing of the
   values crossing between tasks, `tf.function`'s control dependencies).
+* `remote_functions`: remote requests (function registration and removal)
+  that do not wait for a task that does not answer.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
   momentum per update, and whether `fit` or `evaluate`/`predict` asks.
 """
@@ -61,6 +63,7 @@ from tf_diffmap._tf_internal.keras_internals import (
     optimizer_slots,
     optimizer_strategy,
 )
+from tf_diffmap._tf_internal.remote_functions import quiet_tasks, settle
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
     ROWS_READ_BYTES,
@@ -112,10 +115,12 @@ __all__ = [
     "optimizer_strategy",
     "pack_crossings",
     "place_scalars_beside_reads",
+    "quiet_tasks",
     "reconnect_cluster",
     "record_read",
     "record_rows_read",
     "replica_tracing",
     "resolve_row_reads",
     "rewire_late_uses",
+    "settle",
 ]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -254,9 +255,19 @@ class Rejoiner:
 
 
 def serves(address: str, timeout: float) -> bool:
-    """Whether a gRPC server accepts a connection at `address` within `timeout`."""
+    """Whether a gRPC server accepts a connection at `address` within `timeout`.
+
+    A port that refuses the connection (a task that is down) answers False
+    at once; gRPC's own readiness would wait out the whole `timeout`.
+    """
     import grpc
 
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError):
+        return False
     channel = grpc.insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -387,12 +398,22 @@ class ClusterRecord(ReplicaRecord):
         return self.rejoiner.threads()
 
     def pause(self) -> None:
-        """No probing while nothing trains (the lost workers stay lost)."""
-        self.rejoiner.stop(timeout=2.0)
+        """No probing while nothing trains (the lost workers stay lost).
+
+        Not waited for: a probe under way ends on its own, and a drain (at
+        every epoch's end) must not wait for it.
+        """
+        self.rejoiner.stop(timeout=0)
 
     def resume(self) -> None:
-        """Probing again for the workers still lost, as training starts."""
+        """Probing again for the workers still lost, as training starts.
+
+        While a worker is lost, what was sent to the others (a restored
+        weight, a new iterator) has run there before any loop starts
+        (`_tf_internal.settle`).
+        """
         if self.ps_lost is None:
+            _tf_internal.settle()
             self.rejoiner.watch()
 
     def stop(self) -> None:
@@ -404,6 +425,20 @@ class ClusterRecord(ReplicaRecord):
     def _log_answered(self, group: Sequence[int]) -> None:
         tasks = ", ".join(sorted({task_name(self.replica_devices[r]) for r in group}))
         logger.warning("worker %s answers again; its replicas %s rejoined.", tasks, list(group))
+
+    def _mark_lost(self, replicas, error=None, again=True):
+        result = super()._mark_lost(replicas, error=error, again=again)
+        self._quiet_tasks()
+        return result
+
+    def _mark_running(self, replicas) -> None:
+        super()._mark_running(replicas)
+        self._quiet_tasks()
+
+    def _quiet_tasks(self) -> None:
+        """No remote request waits for the workers lost or hung now (a
+        function registered or dropped, `_tf_internal.quiet_tasks`)."""
+        _tf_internal.quiet_tasks({task_name(self.replica_devices[r]) for r in self.lost()})
 
     def _back(self, task: str) -> None:
         replicas = self.replicas_of(task)
