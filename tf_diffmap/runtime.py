@@ -64,6 +64,9 @@ class Runtime:
         worker_timeout: seconds before a replica that holds the others up is
             treated as hung, or None.
         partitioner: what splits large variables (`partitioned`), or None.
+        ps_timeout: seconds without any update applied, while updates
+            wait, before the parameter servers are probed and one that does
+            not answer ends training with an error naming it, or None.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Runtime:
         steps_per_loop: int,
         worker_timeout: float | None,
         partitioner=None,
+        ps_timeout: float | None = None,
     ):
         self.replica_devices = list(replica_devices)
         self.compute_devices = list(compute_devices)
@@ -84,6 +88,7 @@ class Runtime:
         self.queue_size = queue_size or 2 * len(self.replica_devices)
         self.steps_per_loop = steps_per_loop
         self.worker_timeout = worker_timeout
+        self.ps_timeout = ps_timeout
         # Where Keras' graph runs (the chief on a cluster): the queue, the
         # outputs, the flags that Keras' graph reads, and the count of
         # completed steps live here.
@@ -257,6 +262,19 @@ class Runtime:
     def answered(self, group) -> None:
         self.record.answered(group)
         self._rejoin(task_name(self.replica_devices[group[0]]), list(group), restarted=False)
+
+    def stalled(self, seconds: float) -> bool:
+        """No update applied for `seconds` while updates wait: fatal if the
+        record finds a parameter server that does not answer (its error is
+        kept to be raised, and the input ends)."""
+        raised = self.record.stalled(seconds)
+        if raised is None:
+            return False
+        with self._error_lock:
+            if self._error is None:
+                self._error = raised
+        self.failed.assign(True)
+        return True
 
     def lost_tasks(self) -> set[str]:
         """The tasks whose replicas are lost now."""

@@ -58,6 +58,7 @@ __all__ = [
     "Fault",
     "Rejoiner",
     "classify",
+    "hung_ps_error",
     "lost_ps_error",
     "lost_replicas_error",
     "unreachable",
@@ -68,6 +69,8 @@ logger = logging.getLogger("tf_diffmap")
 
 # How often the rejoiner looks again at a lost worker.
 PROBE_SECONDS = 1.0
+# How long a ps task has to accept a connection once updates stalled.
+PS_PROBE_SECONDS = 5.0
 # A replica whose calls fail this often within RETRY_WINDOW seconds because
 # of another task is failed, not retried again.
 RETRIES = 5
@@ -165,6 +168,20 @@ def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableEr
         "(model.load_weights or tf.train.Checkpoint) and fit again."
     )
     return with_cause(tf.errors.UnavailableError(None, None, message), error)
+
+
+def hung_ps_error(task: str, seconds: float) -> tf.errors.UnavailableError:
+    """The error raised for a ps task that does not answer (`ps_timeout`)."""
+    message = (
+        f"The parameter server {task} did not answer for {seconds:.0f} s (ps_timeout) "
+        "while updates waited for it: it is paused, wedged, or cut off from this "
+        "host by the network, and training stopped. Its variables may still be "
+        "there: if it answers again, run the same fit again. Otherwise restart "
+        "that ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
+        "callbacks, run the same fit again; otherwise load the last checkpoint "
+        "(model.load_weights or tf.train.Checkpoint) and fit again."
+    )
+    return tf.errors.UnavailableError(None, None, message)
 
 
 def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors.UnavailableError:
@@ -384,6 +401,23 @@ class ClusterRecord(ReplicaRecord):
             )
         self.rejoiner.watch(fault.task)
         return "lost", None
+
+    def stalled(self, seconds: float) -> BaseException | None:
+        """No update applied for `seconds` while updates wait: the first ps
+        task that does not accept a connection within `PS_PROBE_SECONDS`
+        (a paused or cut-off server never completes gRPC's handshake) is
+        fatal, named in the error; None when every ps answers (a worker is
+        slow or hung: `worker_timeout` is for it)."""
+        addresses = _tf_internal.cluster_addresses()
+        for task in sorted(t for t in addresses if t.startswith("/job:ps/")):
+            if serves(addresses[task], PS_PROBE_SECONDS):
+                continue
+            with self._faults_lock:
+                self.ps_lost = self.ps_lost or Fault("ps", task)
+            self.rejoiner.stop(timeout=0)
+            logger.warning("parameter server %s does not answer; training stops.", task)
+            return hung_ps_error(task, seconds)
+        return None
 
     def store_lost(self) -> bool:
         """Whether a ps task, and the variables on it, are lost."""

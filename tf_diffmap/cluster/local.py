@@ -195,14 +195,25 @@ class LocalCluster:
         self._check_task(task_type, index)
         return json.dumps({"cluster": self._spec, "task": {"type": task_type, "index": index}})
 
-    def resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+    def resolver(
+        self, through: Mapping[tuple[str, int], str] | None = None
+    ) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
         """A cluster resolver for the chief task, for `strategy_for_cluster`.
 
+        Args:
+            through: per `(task_type, index)`, another address at which the
+                chief reaches that task (a `PartitionProxy` in front of it).
+
         Raises:
-            ValueError: the cluster was made with `chief=False`.
+            ValueError: the cluster was made with `chief=False`, or an
+                unknown task.
         """
         self._check_task("chief", 0)
-        return chief_resolver(self._spec)
+        spec = self.cluster_spec
+        for (job, index), address in (through or {}).items():
+            self._check_task(job, index)
+            spec[job][index] = address
+        return chief_resolver(spec)
 
     # -- the processes -----------------------------------------------------
 
