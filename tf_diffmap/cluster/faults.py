@@ -76,6 +76,9 @@ PS_PROBE_SECONDS = 5.0
 RETRIES = 5
 RETRY_WINDOW = 10.0
 
+# Keras warns that the input ran out of data when a fatal error ends it.
+INPUT_ENDED = " Keras' 'Your input ran out of data' warning above is this stop, not the dataset."
+
 # Words of the runtime's messages when a peer is gone.
 _CONNECTION_WORDS = (
     "socket closed",
@@ -165,7 +168,7 @@ def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableEr
         "the model's variables on it are lost, and training stopped. Restart that "
         "ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
         "callbacks, run the same fit again; otherwise load the last checkpoint "
-        "(model.load_weights or tf.train.Checkpoint) and fit again."
+        "(model.load_weights or tf.train.Checkpoint) and fit again." + INPUT_ENDED
     )
     return with_cause(tf.errors.UnavailableError(None, None, message), error)
 
@@ -179,7 +182,7 @@ def hung_ps_error(task: str, seconds: float) -> tf.errors.UnavailableError:
         "there: if it answers again, run the same fit again. Otherwise restart "
         "that ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
         "callbacks, run the same fit again; otherwise load the last checkpoint "
-        "(model.load_weights or tf.train.Checkpoint) and fit again."
+        "(model.load_weights or tf.train.Checkpoint) and fit again." + INPUT_ENDED
     )
     return tf.errors.UnavailableError(None, None, message)
 
@@ -190,7 +193,7 @@ def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors
         f"Every replica is lost: worker task(s) {', '.join(tasks)} are unreachable "
         f"(last: {short_message(error)}), and no replica is left to train. Restart "
         "the worker tasks and run fit again (keras.callbacks.BackupAndRestore "
-        "resumes at the epoch it stopped in)."
+        "resumes at the epoch it stopped in)." + INPUT_ENDED
     )
     return with_cause(tf.errors.UnavailableError(None, None, message), error)
 
