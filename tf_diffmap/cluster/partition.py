@@ -34,6 +34,16 @@ class PartitionProxy:
 
     Attributes:
         address: where the proxy listens, `host:port`.
+
+    Examples:
+        >>> import socket
+        >>> from tf_diffmap.cluster import PartitionProxy
+        >>> task = socket.create_server(("127.0.0.1", 0))  # stands in for a task
+        >>> with PartitionProxy(f"127.0.0.1:{task.getsockname()[1]}") as proxy:
+        ...     proxy.drop()
+        ...     proxy.dropping()
+        True
+        >>> task.close()
     """
 
     def __init__(self, target: str, host: str = "127.0.0.1", port: int = 0):
