@@ -41,6 +41,7 @@ EXAMPLES = {
     # runs; tests/test_cluster.py trains on a LocalCluster).
     "tf_diffmap.cluster.CONNECT_TIMEOUT": 0,
     "tf_diffmap.cluster.LocalCluster": 1,
+    "tf_diffmap.cluster.PartitionProxy": 5,
     "tf_diffmap.cluster.connect": 0,
     "tf_diffmap.cluster.fail_fast": 0,
     "tf_diffmap.cluster.main": 0,

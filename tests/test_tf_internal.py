@@ -896,3 +896,18 @@ def test_a_value_too_large_to_gain_travels_alone():
             used = [tf.reduce_sum(large) + tf.reduce_sum(s) for s in small]
     assert _tf_internal.pack_crossings(graph) == 2
     assert used[0].op.inputs[0].op.inputs[0] is large
+
+
+def test_remote_requests_stream_while_a_task_is_quiet_and_wait_again_after(monkeypatch):
+    import os
+
+    from tf_diffmap._tf_internal import remote_functions
+
+    monkeypatch.setenv(remote_functions.STREAMING, "False")
+    remote_functions.quiet_tasks({"/job:worker/replica:0/task:1"})
+    assert os.environ[remote_functions.STREAMING] == "True"
+    remote_functions.quiet_tasks({"/job:worker/replica:0/task:1", "/job:worker/replica:0/task:2"})
+    assert os.environ[remote_functions.STREAMING] == "True"
+    remote_functions.quiet_tasks(set())
+    assert os.environ[remote_functions.STREAMING] == "False"
+    remote_functions.settle()  # no task quiet, no cluster: nothing to do

@@ -65,6 +65,7 @@ class StepFeed:
             max_staleness=runtime.max_staleness,
             worker_timeout=runtime.worker_timeout,
             hangs=runtime,
+            stall_timeout=runtime.ps_timeout,
         )
         runtime.add_feed(self)
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tf_diffmap.devices import task_name
 
 __all__ = [
+    "PS_TIMEOUT",
     "WORKER_TIMEOUT",
     "ReplicaRecord",
     "ReplicaReport",
@@ -45,6 +46,9 @@ logger = logging.getLogger("tf_diffmap")
 # Seconds a replica may hold one shard while the others wait for it before
 # its worker counts as hung (`Strategy(worker_timeout=...)`).
 WORKER_TIMEOUT = 60.0
+# Seconds without any update applied, while updates wait, before a cluster's
+# parameter servers are probed (`Strategy(ps_timeout=...)`).
+PS_TIMEOUT = 60.0
 
 _TASK = re.compile(r"/job:(worker|ps|chief)/replica:0/task:(\d+)")
 
@@ -59,7 +63,8 @@ class ReplicaReport:
         state: "running", "stopped", "failed", "lost" or "rejoining".
         since: wall-clock time (`time.time()`) of the last change of state
             caused by a fault, or None.
-        error: the error that made it lost, or None.
+        error: the error that made it lost, while it is lost; None once it
+            runs again.
         lost: how many times this replica was lost.
     """
 
@@ -173,6 +178,11 @@ class ReplicaRecord:
         self._mark_running(group)
         self._log_answered(group)
 
+    def stalled(self, seconds: float) -> BaseException | None:
+        """No update applied for `seconds` while updates wait: the error to
+        raise if that is fatal (never on one host: the store is local)."""
+        return None
+
     def lost(self) -> set[int]:
         """The replicas lost now."""
         with self._lock:
@@ -246,6 +256,7 @@ class ReplicaRecord:
         with self._lock:
             self._lost.difference_update(replicas)
             for r in replicas:
+                # The error that made it lost is over: `lost` keeps the count.
                 self._reports[r] = dataclasses.replace(
-                    self._reports[r], state="running", since=time.time()
+                    self._reports[r], state="running", since=time.time(), error=None
                 )

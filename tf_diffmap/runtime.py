@@ -72,6 +72,9 @@ class Runtime:
             optimizer step (1: every shard's gradient is a step).
         max_step_staleness: with K > 1, the most optimizer steps a
             gradient's parameters may be behind and be accepted (None: any).
+        ps_timeout: seconds without any update applied, while updates
+            wait, before the parameter servers are probed and one that does
+            not answer ends training with an error naming it, or None.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Runtime:
         partitioner=None,
         gradients_per_step: int = 1,
         max_step_staleness: int | None = None,
+        ps_timeout: float | None = None,
     ):
         self.replica_devices = list(replica_devices)
         self.gradients_per_step = gradients_per_step
@@ -100,6 +104,7 @@ class Runtime:
         self.queue_size = queue_size or 2 * len(self.replica_devices)
         self.steps_per_loop = steps_per_loop
         self.worker_timeout = worker_timeout
+        self.ps_timeout = ps_timeout
         # Where Keras' graph runs (the chief on a cluster): the queue, the
         # outputs, the flags that Keras' graph reads, and the count of
         # completed steps live here.
@@ -368,6 +373,19 @@ class Runtime:
     def answered(self, group) -> None:
         self.record.answered(group)
         self._rejoin(task_name(self.replica_devices[group[0]]), list(group), restarted=False)
+
+    def stalled(self, seconds: float) -> bool:
+        """No update applied for `seconds` while updates wait: fatal if the
+        record finds a parameter server that does not answer (its error is
+        kept to be raised, and the input ends)."""
+        raised = self.record.stalled(seconds)
+        if raised is None:
+            return False
+        with self._error_lock:
+            if self._error is None:
+                self._error = raised
+        self.failed.assign(True)
+        return True
 
     def lost_tasks(self) -> set[str]:
         """The tasks whose replicas are lost now."""

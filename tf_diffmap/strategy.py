@@ -47,7 +47,7 @@ from tf_diffmap.feed import StepFeed
 from tf_diffmap.optimizer import optimizer_chain
 from tf_diffmap.partitioned import resolve_partitioner
 from tf_diffmap.replica_step import ReplicaStep, run_eagerly, signature_of
-from tf_diffmap.replicas import WORKER_TIMEOUT, ReplicaReport
+from tf_diffmap.replicas import PS_TIMEOUT, WORKER_TIMEOUT, ReplicaReport
 from tf_diffmap.runtime import Runtime
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.step import current_step
@@ -83,6 +83,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         partitioner=None,
         gradients_per_step: int = 1,
         max_step_staleness: int | None = None,
+        ps_timeout: float | None = None,
     ):
         super().__init__(container_strategy)
         self.runtime = Runtime(
@@ -99,6 +100,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             partitioner,
             gradients_per_step,
             max_step_staleness,
+            ps_timeout,
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
@@ -397,6 +399,14 @@ class Strategy(_tf_internal.StrategyBase):
             paused or wedged (a stopped process, a stuck driver, a network
             partition) reaches it, and it bounds what such a worker costs
             the others: once, not at every epoch. `None` waits for ever.
+        ps_timeout: on a cluster, seconds during which no update at all is
+            applied while updates wait before the parameter servers are
+            probed; one that does not answer (paused, wedged, cut off by a
+            network partition) ends `fit` with `tf.errors.UnavailableError`
+            naming it and saying what to do, as a lost one does. A slow
+            worker does not reach it: the others still apply updates. The
+            default, 60 s, is above any one update of a model trained here;
+            `None` waits for ever. Ignored on one host.
         variable_partitioner: how many row shards a variable is split into,
             one per parameter device at most, each beside its rows'
             optimizer slots (see `tf_diffmap.partitioned`). `"auto"` (the
@@ -454,6 +464,7 @@ class Strategy(_tf_internal.StrategyBase):
         variable_partitioner="auto",
         gradients_per_step: int | str = "auto",
         max_step_staleness: int | None = MAX_STEP_STALENESS,
+        ps_timeout: float | None = PS_TIMEOUT,
     ):
         _tf_internal.check_compatibility()
         _check_int("replicas_per_device", replicas_per_device, 1)
@@ -474,15 +485,17 @@ class Strategy(_tf_internal.StrategyBase):
             raise ValueError(
                 f"colocate_cpu_replicas must be True or False, received {colocate_cpu_replicas!r}."
             )
-        if worker_timeout is not None and (
-            isinstance(worker_timeout, bool)
-            or not isinstance(worker_timeout, (int, float))
-            or not worker_timeout > 0
+        for name, value, what in (
+            ("worker_timeout", worker_timeout, "a hung worker"),
+            ("ps_timeout", ps_timeout, "a hung parameter server"),
         ):
-            raise ValueError(
-                "worker_timeout must be None (wait for a hung worker for ever) or a "
-                f"number of seconds > 0, received {worker_timeout!r}."
-            )
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            ):
+                raise ValueError(
+                    f"{name} must be None (wait for {what} for ever) or a "
+                    f"number of seconds > 0, received {value!r}."
+                )
         if devices is None:
             base = default_replica_devices()
         else:
@@ -515,6 +528,7 @@ class Strategy(_tf_internal.StrategyBase):
                 partitioner,
                 gradients_per_step,
                 max_step_staleness,
+                ps_timeout,
             )
         )
         # A model built outside every scope would train as plain Keras, silently.

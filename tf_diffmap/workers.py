@@ -136,6 +136,11 @@ class HangHandler(Protocol):
         """Every hung call of the group has answered: its replicas rejoin
         (called from the last one's thread; `ReplicaLoops.rejoin` follows)."""
 
+    def stalled(self, seconds: float) -> bool:
+        """No shard was applied for `seconds` while shards waited and no
+        single replica could be blamed: whether that is fatal (a parameter
+        server that does not answer; the handler keeps the error to raise)."""
+
 
 class ReplicaLoops:
     """Threads running one training step's replica loops, asynchronously.
@@ -156,6 +161,11 @@ class ReplicaLoops:
         worker_timeout: seconds a replica may hold one shard while nothing
             else moves before it is treated as hung; `None`: never.
         hangs: what to do about a hung replica (required with a timeout).
+        stall_timeout: seconds during which no shard at all may be applied
+            while shards wait before `hangs.stalled` is asked whether the
+            store stopped answering; then every loop call is left to itself
+            and the queue is drained, so that the error ends training.
+            `None`: never.
     """
 
     def __init__(
@@ -168,9 +178,15 @@ class ReplicaLoops:
         max_staleness: int | None = None,
         worker_timeout: float | None = None,
         hangs: HangHandler | None = None,
+        stall_timeout: float | None = None,
     ):
-        if worker_timeout is not None and hangs is None:
-            raise ValueError("A worker_timeout needs a HangHandler.")
+        if (worker_timeout is not None or stall_timeout is not None) and hangs is None:
+            raise ValueError("A worker_timeout or stall_timeout needs a HangHandler.")
+        self.stall_timeout = stall_timeout
+        # When the count of applied shards last moved (or shards last
+        # stopped waiting), and whether the loops were abandoned for a stall.
+        self._applied_since: tuple[int, float] | None = None
+        self._stalled = False
         self.runner = runner
         self.num_replicas = num_replicas
         self.name = name
@@ -509,6 +525,10 @@ class ReplicaLoops:
             if first is None or first[0] != look:
                 self._unmoved[replica_id] = (look, now)
             elif now - first[1] >= self.worker_timeout:
+                if self.stall_timeout is not None and all(stamps[q] for q in live):
+                    # Every replica holds a shard and none moves: what they
+                    # share stopped answering, not one worker (`_look_for_stall`).
+                    continue
                 self._unmoved.clear()
                 self._fence_hung(replica_id, stamps[replica_id], live, now - first[1])
                 return
@@ -562,8 +582,57 @@ class ReplicaLoops:
                 return
             gone = self._gone.intersection(group)
             self._gone.difference_update(group)
-        if not gone:
+        if not gone and not self._stalled:
             self._hangs.answered(group)
+
+    def _look_for_stall(self, seen: tuple[int, int]) -> bool:
+        """One look of the idle monitor for a stall: shards wait and none was
+        applied for `stall_timeout` seconds. Returns whether the loops were
+        abandoned (the handler found it fatal)."""
+        now = time.monotonic()
+        waiting = seen[0] - seen[1] > self.excused()
+        if not waiting or self._stalled:
+            self._applied_since = None
+            return False
+        if self._applied_since is None or self._applied_since[0] != seen[1]:
+            self._applied_since = (seen[1], now)
+            return False
+        seconds = now - self._applied_since[1]
+        if seconds < self.stall_timeout:
+            return False
+        self._applied_since = (seen[1], now)  # Asked once per stall_timeout.
+        if not self._hangs.stalled(seconds):
+            return False
+        self._abandon()
+        return True
+
+    def _abandon(self) -> None:
+        """Every replica's call hangs and the error that ends training is
+        kept: each thread is left to its call, and a new thread per replica
+        drops what is queued (as a FAILED replica does) until stopped, so
+        that nothing that feeds the queue waits for ever."""
+        stamps = self.runner.stamps()
+        with self._lock:
+            self._stalled = True
+            stuck = [r for r, t in self._threads.items() if t.is_alive()]
+            for r in stuck:
+                self._orphans[r] = self._threads.pop(r)
+                self._group[r] = tuple(stuck)
+                if stamps[r]:
+                    self._excused.add(r)
+            for r in range(self.num_replicas):
+                if self._states[r] in _GONE:
+                    continue
+                if self._states[r] is not ReplicaState.RUNNING:
+                    self._move(r, ReplicaState.RUNNING)
+                self._move(r, ReplicaState.FAILED)
+                # Started holding the lock: its first look sees FAILED.
+                thread = threading.Thread(
+                    target=self._run, args=(r, None), name=f"{self.name}-drop-{r}", daemon=True
+                )
+                self._threads[r] = thread
+                thread.start()
+            self._progress.notify_all()
 
     def _watch_idle(self) -> None:
         # Idle means that nothing moved: no shard put and none applied since
@@ -582,6 +651,8 @@ class ReplicaLoops:
             seen = self.runner.progress()
             if self.worker_timeout is not None:
                 self._look_for_hangs(seen)
+            if self.stall_timeout is not None and self._look_for_stall(seen):
+                continue
             if seen != last or seen[0] - seen[1] > self.excused():
                 idle_since, last = None, seen
                 continue

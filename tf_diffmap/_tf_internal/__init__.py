@@ -21,6 +21,8 @@ Modules, by job:
 * `graphs`: rewrites of a traced step's graph (placement, packing of the
   values crossing between tasks, `tf.function`'s control dependencies).
 * `frames`: the stack walk that points a warning at the user's line.
+* `remote_functions`: remote requests (function registration and removal)
+  that do not wait for a task that does not answer.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
   momentum per update, an optimizer's `apply` while a step is traced,
   whether `fit` or `evaluate`/`predict` asks, and a check at the start of
@@ -69,6 +71,7 @@ from tf_diffmap._tf_internal.keras_internals import (
     optimizer_trainable_variables,
     watch_fit,
 )
+from tf_diffmap._tf_internal.remote_functions import quiet_tasks, settle
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
     ROWS_READ_BYTES,
@@ -123,12 +126,14 @@ __all__ = [
     "optimizer_trainable_variables",
     "pack_crossings",
     "place_scalars_beside_reads",
+    "quiet_tasks",
     "reconnect_cluster",
     "record_read",
     "record_rows_read",
     "replica_tracing",
     "resolve_row_reads",
     "rewire_late_uses",
+    "settle",
     "user_stacklevel",
     "watch_fit",
 ]

@@ -13,13 +13,14 @@ import inspect
 
 import keras
 import tensorflow as tf
-from tensorflow.python.eager import record
+from tensorflow.python.eager import context, record
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 from tensorflow.python.trackable import base as trackable_base
 
 from tf_diffmap._tf_internal.distribute import ExtendedBase
 from tf_diffmap._tf_internal.graphs import OPERATION_MEMBERS
 from tf_diffmap._tf_internal.keras_internals import OPTIMIZER_SLOTS
+from tf_diffmap._tf_internal.remote_functions import STREAMING
 from tf_diffmap._tf_internal.variables import ResourceVariable
 
 # The TensorFlow releases whose internals the package was tested with.
@@ -173,10 +174,20 @@ def compatibility_problems() -> list[str]:
     for name in OPERATION_MEMBERS:
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
+    problems += _remote_function_problems()
     problems += _variable_problems()
     problems += _optimizer_problems()
     problems += _trainer_problems()
     return problems
+
+
+def _remote_function_problems() -> list[str]:
+    """What `remote_functions` relies on: the runtime reads whether remote
+    requests stream at each request, as TensorFlow's own `async_scope` does
+    when it sets the variable for a block of code."""
+    if STREAMING not in _source(getattr(context, "async_scope", None)):
+        return [f"TensorFlow's eager context no longer switches {STREAMING} per block"]
+    return []
 
 
 def _variable_problems() -> list[str]:

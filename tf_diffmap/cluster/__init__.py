@@ -24,18 +24,21 @@ or `LocalCluster` start the worker and ps processes.
 
 Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
 `server` (`serve`, and `main`, the command line), `local` (`LocalCluster`),
-`faults` (lost tasks and their replicas: `ClusterRecord`) and `inputs`
-(input built on the workers: `WorkerInput`). A strategy on one host
+`faults` (lost tasks and their replicas: `ClusterRecord`), `inputs`
+(input built on the workers: `WorkerInput`) and `partition` (a network
+partition on one machine, for tests: `PartitionProxy`). A strategy on one host
 imports none of them.
 """
 
 from tf_diffmap.cluster.connect import CONNECT_TIMEOUT, connect, fail_fast, strategy_for_cluster
 from tf_diffmap.cluster.local import LocalCluster, parse_local_spec, run_local
+from tf_diffmap.cluster.partition import PartitionProxy
 from tf_diffmap.cluster.server import main, serve
 
 __all__ = [
     "CONNECT_TIMEOUT",
     "LocalCluster",
+    "PartitionProxy",
     "connect",
     "fail_fast",
     "main",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "Fault",
     "Rejoiner",
     "classify",
+    "hung_ps_error",
     "lost_ps_error",
     "lost_replicas_error",
     "unreachable",
@@ -67,10 +69,15 @@ logger = logging.getLogger("tf_diffmap")
 
 # How often the rejoiner looks again at a lost worker.
 PROBE_SECONDS = 1.0
+# How long a ps task has to accept a connection once updates stalled.
+PS_PROBE_SECONDS = 5.0
 # A replica whose calls fail this often within RETRY_WINDOW seconds because
 # of another task is failed, not retried again.
 RETRIES = 5
 RETRY_WINDOW = 10.0
+
+# Keras warns that the input ran out of data when a fatal error ends it.
+INPUT_ENDED = " Keras' 'Your input ran out of data' warning above is this stop, not the dataset."
 
 # Words of the runtime's messages when a peer is gone.
 _CONNECTION_WORDS = (
@@ -161,9 +168,23 @@ def lost_ps_error(fault: Fault, error: BaseException) -> tf.errors.UnavailableEr
         "the model's variables on it are lost, and training stopped. Restart that "
         "ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
         "callbacks, run the same fit again; otherwise load the last checkpoint "
-        "(model.load_weights or tf.train.Checkpoint) and fit again."
+        "(model.load_weights or tf.train.Checkpoint) and fit again." + INPUT_ENDED
     )
     return with_cause(tf.errors.UnavailableError(None, None, message), error)
+
+
+def hung_ps_error(task: str, seconds: float) -> tf.errors.UnavailableError:
+    """The error raised for a ps task that does not answer (`ps_timeout`)."""
+    message = (
+        f"The parameter server {task} did not answer for {seconds:.0f} s (ps_timeout) "
+        "while updates waited for it: it is paused, wedged, or cut off from this "
+        "host by the network, and training stopped. Its variables may still be "
+        "there: if it answers again, run the same fit again. Otherwise restart "
+        "that ps task, then resume: with keras.callbacks.BackupAndRestore in fit's "
+        "callbacks, run the same fit again; otherwise load the last checkpoint "
+        "(model.load_weights or tf.train.Checkpoint) and fit again." + INPUT_ENDED
+    )
+    return tf.errors.UnavailableError(None, None, message)
 
 
 def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors.UnavailableError:
@@ -172,7 +193,7 @@ def lost_replicas_error(tasks: Sequence[str], error: BaseException) -> tf.errors
         f"Every replica is lost: worker task(s) {', '.join(tasks)} are unreachable "
         f"(last: {short_message(error)}), and no replica is left to train. Restart "
         "the worker tasks and run fit again (keras.callbacks.BackupAndRestore "
-        "resumes at the epoch it stopped in)."
+        "resumes at the epoch it stopped in)." + INPUT_ENDED
     )
     return with_cause(tf.errors.UnavailableError(None, None, message), error)
 
@@ -254,9 +275,19 @@ class Rejoiner:
 
 
 def serves(address: str, timeout: float) -> bool:
-    """Whether a gRPC server accepts a connection at `address` within `timeout`."""
+    """Whether a gRPC server accepts a connection at `address` within `timeout`.
+
+    A port that refuses the connection (a task that is down) answers False
+    at once; gRPC's own readiness would wait out the whole `timeout`.
+    """
     import grpc
 
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError):
+        return False
     channel = grpc.insecure_channel(address)
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -374,6 +405,23 @@ class ClusterRecord(ReplicaRecord):
         self.rejoiner.watch(fault.task)
         return "lost", None
 
+    def stalled(self, seconds: float) -> BaseException | None:
+        """No update applied for `seconds` while updates wait: the first ps
+        task that does not accept a connection within `PS_PROBE_SECONDS`
+        (a paused or cut-off server never completes gRPC's handshake) is
+        fatal, named in the error; None when every ps answers (a worker is
+        slow or hung: `worker_timeout` is for it)."""
+        addresses = _tf_internal.cluster_addresses()
+        for task in sorted(t for t in addresses if t.startswith("/job:ps/")):
+            if serves(addresses[task], PS_PROBE_SECONDS):
+                continue
+            with self._faults_lock:
+                self.ps_lost = self.ps_lost or Fault("ps", task)
+            self.rejoiner.stop(timeout=0)
+            logger.warning("parameter server %s does not answer; training stops.", task)
+            return hung_ps_error(task, seconds)
+        return None
+
     def store_lost(self) -> bool:
         """Whether a ps task, and the variables on it, are lost."""
         return self.ps_lost is not None
@@ -387,12 +435,22 @@ class ClusterRecord(ReplicaRecord):
         return self.rejoiner.threads()
 
     def pause(self) -> None:
-        """No probing while nothing trains (the lost workers stay lost)."""
-        self.rejoiner.stop(timeout=2.0)
+        """No probing while nothing trains (the lost workers stay lost).
+
+        Not waited for: a probe under way ends on its own, and a drain (at
+        every epoch's end) must not wait for it.
+        """
+        self.rejoiner.stop(timeout=0)
 
     def resume(self) -> None:
-        """Probing again for the workers still lost, as training starts."""
+        """Probing again for the workers still lost, as training starts.
+
+        While a worker is lost, what was sent to the others (a restored
+        weight, a new iterator) has run there before any loop starts
+        (`_tf_internal.settle`).
+        """
         if self.ps_lost is None:
+            _tf_internal.settle()
             self.rejoiner.watch()
 
     def stop(self) -> None:
@@ -404,6 +462,20 @@ class ClusterRecord(ReplicaRecord):
     def _log_answered(self, group: Sequence[int]) -> None:
         tasks = ", ".join(sorted({task_name(self.replica_devices[r]) for r in group}))
         logger.warning("worker %s answers again; its replicas %s rejoined.", tasks, list(group))
+
+    def _mark_lost(self, replicas, error=None, again=True):
+        result = super()._mark_lost(replicas, error=error, again=again)
+        self._quiet_tasks()
+        return result
+
+    def _mark_running(self, replicas) -> None:
+        super()._mark_running(replicas)
+        self._quiet_tasks()
+
+    def _quiet_tasks(self) -> None:
+        """No remote request waits for the workers lost or hung now (a
+        function registered or dropped, `_tf_internal.quiet_tasks`)."""
+        _tf_internal.quiet_tasks({task_name(self.replica_devices[r]) for r in self.lost()})
 
     def _back(self, task: str) -> None:
         replicas = self.replicas_of(task)

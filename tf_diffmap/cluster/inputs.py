@@ -112,6 +112,8 @@ class WorkerInput:
         # What the workers' iterators yield (per-replica batches).
         self.element_spec = self.datasets[live[0]].element_spec
         self.iterators = [self._iterator(i) if i in live else None for i in range(num_workers)]
+        # Made, not only sent, before a loop reads them (a worker is lost).
+        _tf_internal.settle(task_name(self.workers[i]) for i in live)
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
         token = tf.nest.map_structure(_empty_batch, element_spec)
         ticks = tf.data.Dataset.from_tensors(token)
@@ -160,6 +162,7 @@ class WorkerInput:
                 else:
                     self.datasets[index] = self._made_by_function(index)[0]
                 self.iterators[index] = self._iterator(index)
+                _tf_internal.settle([task])
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
 
     def functions(self) -> list:

@@ -118,6 +118,9 @@ class LocalCluster:
         log_dir: where to write the servers' output; by default a new
             temporary directory.
         env: extra environment variables for every server process.
+        listen_ports: per `(task_type, index)`, a port that task listens on
+            instead of its address's, which something else (a
+            `PartitionProxy`) then serves, relaying to it.
 
     Raises:
         ValueError: a count below 1 or a `cpus_per_worker` below 1.
@@ -145,6 +148,7 @@ class LocalCluster:
         stop_timeout: float = 10.0,
         log_dir: str | os.PathLike | None = None,
         env: Mapping[str, str] | None = None,
+        listen_ports: Mapping[tuple[str, int], int] | None = None,
     ) -> None:
         for name, value in (("workers", workers), ("ps", ps), ("cpus_per_worker", cpus_per_worker)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -156,6 +160,7 @@ class LocalCluster:
         self._start_timeout = float(start_timeout)
         self._stop_timeout = float(stop_timeout)
         self._env = dict(env or {})
+        self._listen_ports = dict(listen_ports or {})
         self._given_log_dir = Path(log_dir) if log_dir is not None else None
         self._log_dir: Path | None = None
         self._state = "new"  # new -> started -> stopped
@@ -388,6 +393,8 @@ class LocalCluster:
         command = [sys.executable, "-m", "tf_diffmap.cluster", "--exit-when-stdin-closes"]
         if task.job == "worker" and self._cpus_per_worker > 1:
             command += ["--logical-cpus", str(self._cpus_per_worker)]
+        if (task.job, task.index) in self._listen_ports:
+            command += ["--port", str(self._listen_ports[(task.job, task.index)])]
         # The servers import the same tf_diffmap as this process.
         package_root = str(Path(__file__).resolve().parents[2])
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
@@ -512,49 +519,79 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop()
 
 
-def run_local(workers: int = 2, ps: int = 1, cpus_per_worker: int = 1) -> int:
+def run_local(
+    workers: int = 2,
+    ps: int = 1,
+    cpus_per_worker: int = 1,
+    max_restarts: int = 3,
+    command: list[str] | None = None,
+) -> int:
     """Runs a `LocalCluster` in the foreground until Ctrl-C or SIGTERM.
 
-    Prints each task's address and pid, then the chief's TF_CONFIG as one
-    JSON line, then keeps the servers running, reporting any that exits.
+    Prints each task's address, pid and TF_CONFIG (the chief's last, as
+    one JSON line), then keeps the servers running: a task that exits is
+    started again at its address, up to `max_restarts` times
+    (`supervisor.Supervisor`), and each restart is reported. With a
+    `command`, it runs it as the chief, again when it fails (up to
+    `max_restarts` times), and stops once it succeeds.
 
     Args:
         workers: worker tasks.
         ps: ps tasks.
         cpus_per_worker: logical CPU devices per worker task.
+        max_restarts: restarts of each task and of the chief; 0: none.
+        command: the training script's command line, run as the chief.
 
     Returns:
-        The exit status: 0 once stopped by Ctrl-C or SIGTERM.
+        The exit status: 0 once stopped by Ctrl-C or SIGTERM or once the
+        command succeeded, else the command's last status.
     """
+    from tf_diffmap.cluster.supervisor import Supervisor
+
     local = LocalCluster(workers, ps, chief=True, cpus_per_worker=cpus_per_worker)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, _raise_stop)
+    status = 0
+    supervisor = None
     try:
         local.start()
         pids = local.pids
         for job in SERVER_JOBS:
             for index, address in enumerate(local.cluster_spec[job]):
                 print(f"{job} {index}  {address}  pid {pids[(job, index)]}")
-        print(f"chief 0  {local.cluster_spec['chief'][0]}  (not started: your training process)")
+                print(f"  TF_CONFIG={local.tf_config(job, index)}")
+        chief = "started below" if command else "not started: your training process"
+        print(f"chief 0  {local.cluster_spec['chief'][0]}  ({chief})")
         print(f"logs in {local.log_dir}")
         print("# TF_CONFIG for the chief, the process that runs model.fit:")
         print(local.tf_config("chief", 0))
-        print("Serving until Ctrl-C or SIGTERM.", flush=True)
-        reported: set[tuple[str, int]] = set()
+        if command:
+            print(f"Running the chief, restarting it and any task up to {max_restarts} times.")
+        else:
+            print(
+                f"Serving until Ctrl-C or SIGTERM; a task that exits starts again "
+                f"(up to {max_restarts} times).",
+                flush=True,
+            )
+        supervisor = Supervisor(local, max_restarts, command)
+        if command:
+            supervisor.start_chief()
         while True:
             time.sleep(0.5)
-            for key, message in local.exits().items():
-                if key not in reported:
-                    reported.add(key)
-                    print(message, file=sys.stderr, flush=True)
+            result = supervisor.poll()
+            if result is not None:
+                status = result
+                break
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
         # A second Ctrl-C or SIGTERM must not cut the stopping short.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        if supervisor is not None:
+            supervisor.stop_chief()
         local.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print("Stopped the cluster's processes.", flush=True)
-    return 0
+    return status

@@ -27,6 +27,7 @@ def serve(
     config: str | None = None,
     logical_cpus: int = 1,
     exit_when_stdin_closes: bool = False,
+    port: int | None = None,
 ) -> None:
     """Runs this machine's worker or ps server until the process is stopped.
 
@@ -39,6 +40,9 @@ def serve(
         exit_when_stdin_closes: exit once standard input reaches its end, so
             that a server started through a pipe (as `LocalCluster` does) does
             not outlive the process that started it.
+        port: the port to listen on, when the others reach this task at
+            another address (a relay in front of it, as `PartitionProxy`
+            is); by default the port of its address in the cluster.
 
     Raises:
         ValueError: no TF_CONFIG, a task type other than worker or ps, a
@@ -56,14 +60,15 @@ def serve(
     session_config = None
     if logical_cpus > 1:
         session_config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus})
-    server = tf.distribute.Server(
-        resolver.cluster_spec(),
+    server_def = tf.train.ServerDef(
+        cluster=resolver.cluster_spec().as_cluster_def(),
         job_name=resolver.task_type,
         task_index=resolver.task_id,
         protocol=resolver.rpc_layer or "grpc",
-        config=session_config,
-        start=True,
     )
+    if port is not None:
+        server_def.port = port
+    server = tf.distribute.Server(server_def, config=session_config, start=True)
     if exit_when_stdin_closes:
         threading.Thread(target=_exit_at_end_of_stdin, daemon=True).start()
     print(
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tf_diffmap.cluster",
         description=(
             "Serve this machine's tf_diffmap worker or ps task (from TF_CONFIG) until "
-            "stopped, or with --local start every worker and ps task on this machine."
+            "stopped, or with --local start every worker and ps task on this machine "
+            "(and with -- COMMAND, run COMMAND as the chief, for example -- python train.py)."
         ),
     )
     parser.add_argument("--tf-config", default=None, help="TF_CONFIG JSON (default: $TF_CONFIG)")
@@ -154,11 +160,35 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stop serving when standard input ends (used by LocalCluster)",
     )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="listen on this port instead of the one of this task's address in TF_CONFIG "
+        "(when the others reach it through a relay)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --local: start a task that exits again, and the chief command when it "
+        "fails, up to N times each (default: 3; 0: never)",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :] or None
     args = parser.parse_args(argv)
     if args.logical_cpus < 1:
         parser.error(f"--logical-cpus needs N >= 1, received {args.logical_cpus}.")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts needs N >= 0, received {args.max_restarts}.")
+    if command is not None and args.local is None:
+        parser.error("A command after -- is run as the chief of --local; add --local.")
     if args.local is None:
-        serve(args.tf_config, args.logical_cpus, args.exit_when_stdin_closes)
+        serve(args.tf_config, args.logical_cpus, args.exit_when_stdin_closes, args.port)
         return 0
     if args.tf_config is not None:
         parser.error(
@@ -170,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     try:
-        return run_local(**counts, cpus_per_worker=args.logical_cpus)
+        return run_local(
+            **counts,
+            cpus_per_worker=args.logical_cpus,
+            max_restarts=args.max_restarts,
+            command=command,
+        )
     except (RuntimeError, TimeoutError) as error:
         print(f"python -m tf_diffmap.cluster --local: {error}", file=sys.stderr)
         return 1
