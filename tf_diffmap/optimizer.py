@@ -2,9 +2,16 @@
 
 It wraps an inner Keras optimizer by composition, as
 `keras.optimizers.LossScaleOptimizer` does: the learning rate, its schedule,
-weight decay, clipping and `iterations` are the inner optimizer's. For each
-update it learns the replica's staleness from the strategy's step and applies
-one rule:
+weight decay, clipping and `iterations` are the inner optimizer's.
+
+By default the strategy aggregates shard gradients into steps of the inner
+optimizer (`Strategy(gradients_per_step="auto")`, `tf_diffmap.aggregation`):
+there the wrapper decides, per pushed gradient, whether it is accepted
+(`"drop"`, `drop_above`), and `"auto"` is the plain step (`"none"`); a rule
+that changes each shard's update is refused with a `ValueError` that says
+so. With `Strategy(gradients_per_step=1)` every shard's gradient is an
+update of its own: for each update the wrapper learns the replica's
+staleness from the strategy's step and applies one rule:
 
 - `"none"`: the plain asynchronous update (Hogwild!, Downpour);
 - `"linear"`: learning rate divided by the number of replicas N, the
@@ -22,10 +29,11 @@ one rule:
   momentum that asynchrony adds (Mitliagkas et al. 2016), and the learning
   rate divided by 1 + s (Zhang et al. 2016 at the mean staleness), both
   from s, a moving average of the measured staleness;
-- `"auto"` (the default): `"linear"` for `keras.optimizers.SGD` with
-  momentum, `"gap"` for SGD without, and `"none"` for every other optimizer
-  (adaptive ones such as Adam normalize their step, and held without a rule
-  where SGD collapsed); chosen from the convergence table of the benchmarks;
+- `"auto"` (the default): where gradients are aggregated, `"none"`; where
+  every shard's gradient is an update, `"linear"` for
+  `keras.optimizers.SGD` with momentum, `"gap"` for SGD without, and
+  `"none"` for every other optimizer (adaptive ones such as Adam normalize
+  their step, and held without a rule where SGD collapsed);
 - a callable `rule(staleness) -> learning-rate factor`, for research.
 
 `drop_above` also combines with every other rule and with callables.
@@ -158,7 +166,8 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` instance to wrap.
-        staleness: `"auto"` (default: `"linear"` for `keras.optimizers.SGD`
+        staleness: `"auto"` (default: `"none"` where the strategy aggregates
+            gradients into steps; else `"linear"` for `keras.optimizers.SGD`
             with momentum, `"gap"` for SGD without, else `"none"`), `"none"`,
             `"linear"`, `"inverse"`, `"dc"`, `"drop"`, `"momentum"`, `"gap"`,
             or a callable taking the
@@ -283,11 +292,16 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     @property
     def rule(self) -> str | Callable:
-        """The rule that applies: `staleness`, with `"auto"` resolved.
+        """The rule that applies: `staleness`, with `"auto"` resolved for the
+        strategy the optimizer was created under.
 
         Examples:
             >>> import keras, tf_diffmap
-            >>> tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)).rule
+            >>> with tf_diffmap.Strategy().scope():  # aggregates gradients into steps
+            ...     tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)).rule
+            'none'
+            >>> with tf_diffmap.Strategy(gradients_per_step=1).scope():
+            ...     tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)).rule
             'linear'
             >>> tf_diffmap.AsyncOptimizer(keras.optimizers.SGD(0.1)).rule
             'gap'
