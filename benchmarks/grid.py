@@ -58,8 +58,10 @@ BATCH_SIZE = 128
 # its own accelerator uses no CPU); a straggler's sleeps four times as long.
 DEVICE_SECONDS = 0.003
 STRAGGLER_FACTOR = 4
-# Logical CPU devices of every run; replicas beyond them share devices.
+# Logical CPU devices of tf_diffmap's runs; replicas beyond them share
+# devices. A worker process makes enough for MirroredStrategy's widest run.
 DEVICES = 4
+LOGICAL_DEVICES = 32
 
 DIMENSIONS: dict[str, tuple] = {
     "preprocessing": ("standardized", "unit", "raw"),
@@ -336,14 +338,24 @@ def device_time_layer(keras, tf, seconds: Sequence[float]):
 # -- one run (in a worker process) -----------------------------------------
 
 
-def _strategy(variant: str, replicas: int):
+def sync_devices(c: dict) -> int:
+    """MirroredStrategy's replicas for a condition: its own number for the
+    residual net, whose batch normalization computes its statistics over
+    each replica's shard; otherwise at most `DEVICES`, since the other
+    models' synchronous step (the mean gradient of the batch) does not
+    depend on how many replicas compute it."""
+    return c["replicas"] if c["model"] == "resnet" else min(c["replicas"], DEVICES)
+
+
+def _strategy(variant: str, condition: dict):
     import tensorflow as tf
 
     import tf_diffmap
 
-    devices = [f"/cpu:{i}" for i in range(min(replicas, DEVICES))]
+    replicas = condition["replicas"]
     if variant == "sync":
-        return tf.distribute.MirroredStrategy(devices)
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(sync_devices(condition))])
+    devices = [f"/cpu:{i}" for i in range(min(replicas, DEVICES))]
     per_device = replicas // len(devices)
     kwargs: dict[str, Any] = {"devices": devices, "replicas_per_device": per_device}
     if variant in ("none", "per_shard_auto"):
@@ -369,7 +381,7 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
     steps = math.ceil(len(x_train) / BATCH_SIZE)
     rate = run["learning_rate"]
     keras.utils.set_random_seed(seed)
-    strategy = _strategy(variant, c["replicas"])
+    strategy = _strategy(variant, c)
     delays = [DEVICE_SECONDS] * c["replicas"]
     if c["straggler"]:
         delays[0] = DEVICE_SECONDS * STRAGGLER_FACTOR
@@ -432,7 +444,7 @@ def _worker_main(config_path: str) -> int:
     tf.config.threading.set_inter_op_parallelism_threads(64)
     import tf_diffmap
 
-    tf_diffmap.split_devices(DEVICES, "CPU")
+    tf_diffmap.split_devices(LOGICAL_DEVICES, "CPU")
     worker(json.loads(Path(config_path).read_text()))
     return 0
 
@@ -468,7 +480,7 @@ def plan_runs(part: str, variants: Sequence[str] | None = None, seeds=SEEDS) -> 
             # one run serves every condition that differs only in those.
             shared = {k: c[k] for k in ("preprocessing", "model", "optimizer", "lr_factor")}
             if variant == "sync":
-                shared["replicas"] = min(c["replicas"], DEVICES)
+                shared["replicas"] = sync_devices(c)
                 key = json.dumps({"variant": "sync", "seed": seed, **shared}, sort_keys=True)
             else:
                 key = json.dumps({"variant": variant, "seed": seed, "id": c["id"]}, sort_keys=True)
@@ -489,7 +501,7 @@ def plan_runs(part: str, variants: Sequence[str] | None = None, seeds=SEEDS) -> 
 
 def _cost(run: dict) -> float:
     c = run["condition"]
-    per_shard = 1.0 if run["variant"] == "sync" else c["replicas"] / 4
+    per_shard = sync_devices(c) / 4 if run["variant"] == "sync" else c["replicas"] / 4
     return {"mlp": 1, "text": 1.2, "cnn": 2, "resnet": 3}[c["model"]] * (1 + per_shard)
 
 
@@ -558,15 +570,9 @@ def drive(runs: list[dict], out: Path, jobs: int, chunk: int = 10) -> None:
 
 
 def _sync_key(c: dict) -> tuple:
-    """What a synchronous run depends on (not the straggler, nor replicas
-    beyond the devices)."""
-    return (
-        c["preprocessing"],
-        c["model"],
-        c["optimizer"],
-        c["lr_factor"],
-        min(c["replicas"], DEVICES),
-    )
+    """What a synchronous run depends on (not the straggler; see
+    `sync_devices` for the replicas)."""
+    return (c["preprocessing"], c["model"], c["optimizer"], c["lr_factor"], sync_devices(c))
 
 
 def load_runs(out: Path) -> list[dict]:
