@@ -58,10 +58,8 @@ BATCH_SIZE = 128
 # its own accelerator uses no CPU); a straggler's sleeps four times as long.
 DEVICE_SECONDS = 0.003
 STRAGGLER_FACTOR = 4
-# Logical CPU devices of tf_diffmap's runs; replicas beyond them share
-# devices. A worker process makes enough for MirroredStrategy's widest run.
+# Logical CPU devices of every run; replicas beyond them share devices.
 DEVICES = 4
-LOGICAL_DEVICES = 32
 
 DIMENSIONS: dict[str, tuple] = {
     "preprocessing": ("standardized", "unit", "raw"),
@@ -449,7 +447,7 @@ def _worker_main(config_path: str) -> int:
     tf.config.threading.set_inter_op_parallelism_threads(64)
     import tf_diffmap
 
-    tf_diffmap.split_devices(LOGICAL_DEVICES, "CPU")
+    tf_diffmap.split_devices(DEVICES, "CPU")
     worker(json.loads(Path(config_path).read_text()))
     return 0
 
