@@ -790,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--part", choices=("tune", "held_out", "all"), default="all")
     parser.add_argument("--variants", nargs="*", help="only these variants")
+    parser.add_argument(
+        "--seeds", nargs="*", type=int, default=list(SEEDS), help="only these seeds"
+    )
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--tune-sync", action="store_true")
     parser.add_argument("--models", nargs="*", default=list(DIMENSIONS["model"]))
@@ -801,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_sync(args.out, args.models)
         return 0
     if not args.report_only:
-        drive(plan_runs(args.part, args.variants), args.out, args.jobs)
+        drive(plan_runs(args.part, args.variants, args.seeds), args.out, args.jobs)
     print(report(args.out))
     return 0
 
