@@ -289,19 +289,6 @@ class Runtime:
 
         return tf_diffmap.AsyncOptimizer(adam, staleness=rule, drop_above=drop_above)
 
-    def optimizer_from(self, spec: dict, rule: str | None = None, drop_above: int | None = None):
-        """A Keras optimizer from `{"class": ..., **arguments}`, wrapped in
-        `AsyncOptimizer` when a rule is given."""
-        spec = dict(spec)
-        inner = getattr(self.keras.optimizers, spec.pop("class"))(**spec)
-        if rule is None:
-            return inner
-        if not self.asynchronous:
-            raise ValueError(f"Staleness rule {rule!r} needs a tf_diffmap contender.")
-        import tf_diffmap
-
-        return tf_diffmap.AsyncOptimizer(inner, staleness=rule, drop_above=drop_above)
-
     def statistics(self) -> dict[str, Any] | None:
         """The store's staleness statistics, for tf_diffmap contenders."""
         if not self.asynchronous:

@@ -34,7 +34,6 @@ WORKLOADS = (
     "cluster",
     "fault_timeline",
     "embeddings",
-    "convergence",
 )
 
 # Contenders that only the cluster workload runs (each brings its own cluster).
@@ -99,35 +98,7 @@ class Plan:
     points_epochs: int = 3
     points_rounds: int = 3
     seed: int = 0  # seeds data, weights and shuffling
-    # Which of `WORKLOADS` run: all but convergence (about 300 models), which
-    # runs alone (`--only convergence`).
-    workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w != "convergence")
-    convergence_devices: int = 4  # MirroredStrategy, the reference, uses them all
-    # (name, replicas per device, the mean staleness below which a row does
-    # not measure the regime) per regime of tf_diffmap.
-    convergence_regimes: tuple[tuple[str, int, float], ...] = (("low", 1, 1.0), ("high", 4, 5.0))
-    # (model, optimizer): keys of `workloads.CONVERGENCE_MODELS` and its optimizers.
-    convergence_rows: tuple[tuple[str, str], ...] = tuple(
-        (model, optimizer)
-        for model in ("mlp_digits", "cnn_digits")
-        for optimizer in ("sgd", "sgd_momentum", "adam", "adamw")
-    )
-    # `AsyncOptimizer` rules ("momentum" for SGD with momentum only; "drop"
-    # above twice the staleness of N replicas taking turns).
-    convergence_rules: tuple[str, ...] = (
-        "auto",
-        "none",
-        "linear",
-        "inverse",
-        "dc",
-        "drop",
-        "momentum",
-        "gap",
-    )
-    convergence_seeds: tuple[int, ...] = (0, 1, 2)  # a run per seed (data order, weights)
-    convergence_epochs: int = 15
-    convergence_device_seconds: float = 0.003  # each replica's sleep per step (no CPU)
-    convergence_inter_op_threads: int = 64  # enough for every sleeping replica
+    workloads: tuple[str, ...] = WORKLOADS  # which of `WORKLOADS` run
     # Plain Keras on one device; tf_diffmap on `control_replicas` devices, and
     # with each replica's ops on its own device (as GPU replicas are).
     control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap", "tf_diffmap_own_devices")
@@ -264,10 +235,6 @@ PRESETS = {
         fault_kill_at=4.0,
         fault_restart_at=7.0,
         fault_warmup_seconds=1.0,
-        convergence_rows=(("mlp_digits", "sgd_momentum"),),
-        convergence_rules=("auto", "none"),
-        convergence_seeds=(0,),
-        convergence_epochs=2,
         embedding_rows=(2_000, 20_000),
         embedding_optimizers=("sgd",),
         embedding_examples_per_epoch=1024,
@@ -408,8 +375,6 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         out.append(_fault_timeline_session(plan))
     if "embeddings" in plan.workloads:
         out += _embedding_sessions(plan)
-    if "convergence" in plan.workloads:
-        out += _convergence_sessions(plan)
     return out
 
 
@@ -562,66 +527,6 @@ def _fault_timeline_session(plan: Plan) -> dict[str, Any]:
             }
         ],
     }
-
-
-def _convergence_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """MirroredStrategy's reference, and tf_diffmap in each regime, each rule.
-
-    The synchronous reference runs once per row and seed: its update (the
-    mean gradient of the global batch) does not depend on how many replicas
-    compute it, so it is the reference of every regime. Each row and seed
-    is a session of its own (a process), so that a session that fails
-    takes few results with it.
-    """
-    from benchmarks.workloads import CONVERGENCE_MODELS
-
-    def session(contender, regime, replicas_per_device, model, optimizer, seed, rules):
-        spec = CONVERGENCE_MODELS[model]["optimizers"][optimizer]
-        drop_above = 2 * (plan.convergence_devices * replicas_per_device - 1)
-        tasks = [
-            {
-                "kind": "convergence",
-                "model": model,
-                "optimizer": optimizer,
-                "rule": rule,
-                "drop_above": drop_above if rule == "drop" else None,
-                "seed": seed,
-                "epochs": plan.convergence_epochs,
-                "device_seconds": plan.convergence_device_seconds,
-            }
-            for rule in rules
-            if rule != "momentum" or spec.get("momentum")
-        ]
-        return {
-            "contender": contender,
-            "regime": regime,
-            "replicas": plan.convergence_devices,
-            "replicas_per_device": replicas_per_device,
-            "inter_op_threads": plan.convergence_inter_op_threads,
-            "max_staleness": None,
-            "seed": seed,
-            "tasks": tasks,
-        }
-
-    out = []
-    for seed in plan.convergence_seeds:
-        for model, optimizer in plan.convergence_rows:
-            if "mirrored" in plan.contenders:
-                out.append(session("mirrored", "sync", 1, model, optimizer, seed, [None]))
-            if "tf_diffmap" in plan.contenders:
-                for regime, per_device, _ in plan.convergence_regimes:
-                    out.append(
-                        session(
-                            "tf_diffmap",
-                            regime,
-                            per_device,
-                            model,
-                            optimizer,
-                            seed,
-                            plan.convergence_rules,
-                        )
-                    )
-    return out
 
 
 def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:

@@ -58,8 +58,6 @@ embedding_accuracy | >= | -1 | " pt" | Embeddings: best validation accuracy over
 
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
-# A convergence run below this accuracy collapsed (chance is 0.1 on digits).
-COLLAPSED = 0.5
 # The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
 FAULT_WINDOWS = ("before", "outage", "restarting", "after")
 FAULT_DELAYS = (
@@ -611,12 +609,6 @@ def build(
         + ("best_val_accuracy", "bytes_sent_per_update", "mean_staleness"),
         firsts=("table_mb", "examples_per_update", "table_shards"),
     )
-    convergence = _rows(
-        _records(runs, "convergence"),
-        ("regime", "model", "optimizer", "rule"),
-        spreads=("final_accuracy", "mean_staleness"),
-        extra=lambda group: {"momentum_warning": any(r["momentum_warning"] for r in group)},
-    )
     results = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -637,7 +629,6 @@ def build(
         "straggler": straggler,
         "accuracy": accuracy,
         "memory": _memory(runs, bounded),
-        "convergence": convergence,
         "points": points,
         "control": control,
         "cluster": cluster,
@@ -1043,92 +1034,6 @@ def _embedding_tables(results) -> list[dict[str, Any]]:
     return out
 
 
-def convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
-    """A row's verdict on the default rule, and whether it met its target
-    (None when the row does not measure its regime)."""
-    if default is None or sync is None:
-        return "n/a", None
-    staleness = default["mean_staleness"]["median"]
-    if staleness is None or staleness < floor:
-        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
-    acc = default["final_accuracy"]
-    worst = acc["min"] if acc["min"] is not None else acc["median"]
-    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
-    short = [
-        name
-        for name, row in references
-        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
-    ]
-    if worst < COLLAPSED:
-        short.append(f"a run at {worst:.3f}")
-    return ("missed (" + ", ".join(short) + ")", False) if short else ("met", True)
-
-
-def _accuracy_cell(row, staleness: bool = False) -> str | None:
-    if row is None:
-        return None
-    accuracy = row["final_accuracy"]["median"]
-    text = cell(row["final_accuracy"], "{:.3f}")
-    if accuracy is not None and accuracy < COLLAPSED:
-        text = f"**{text}**"
-    mean = row["mean_staleness"]["median"]
-    if staleness and mean is not None:
-        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
-    return text
-
-
-def _convergence_tables(results) -> list[dict[str, Any]]:
-    plan, rows = results["plan"], results["convergence"]
-    rules, devices = list(plan["convergence_rules"]), plan["convergence_devices"]
-    names = [f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules]
-    gaps = ["default − sync", "default − `none`"]
-    out = []
-    for regime, per_device, floor in plan["convergence_regimes"]:
-        lines, verdicts = [], []
-        for model, optimizer in plan["convergence_rows"]:
-            key = {"model": model, "optimizer": optimizer}
-            sync = _find(rows, regime="sync", rule=None, **key)
-            found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
-            default, none = found.get("auto"), found.get("none")
-            verdict, ok = convergence_verdict(regime, floor, default, sync, none)
-            verdicts.append(ok)
-            line = {
-                "Model": model,
-                "Optimizer": workloads.convergence_optimizer_label(model, optimizer),
-                "sync": _accuracy_cell(sync),
-                **{n: _accuracy_cell(found[r], True) for n, r in zip(names, rules)},
-                "target": verdict,
-            }
-            for column, reference in zip(gaps, (sync, none)):
-                if default and reference:
-                    line[column] = 100 * (
-                        default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
-                    )
-            lines.append(line)
-        valid = [v for v in verdicts if v is not None]
-        target = (
-            "target: the default's median within 1 point of sync"
-            + (" and of `none`" if regime == "low" else "")
-            + f", no run below {COLLAPSED}: met in {sum(valid)} of {len(valid)} valid rows; "
-            f"{len(verdicts) - len(valid)} rows invalid or missing"
-        )
-        setting = (
-            f"digits, {plan['convergence_epochs']} epochs, median of "
-            f"{len(plan['convergence_seeds'])} seed(s); (s mean / max staleness)"
-        )
-        out.append(
-            _table(
-                f"Convergence, {regime} staleness: {devices * per_device} replicas ({devices} "
-                f"devices x {per_device}); floor: mean staleness {floor:g}",
-                ["Model", "Optimizer", "sync", *names, *gaps, "target"],
-                lines,
-                dict.fromkeys(gaps, "{:+.1f}"),
-                [target, setting],
-            )
-        )
-    return out
-
-
 def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every table of a results document, in the order of `results.md`."""
     plan = results["plan"]
@@ -1176,8 +1081,6 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
         out += _fault_tables(results)
     if "embeddings" in chosen:
         out += _embedding_tables(results)
-    if "convergence" in chosen:
-        out += _convergence_tables(results)
     if results["errors"]:
         columns = ["round", "contender", "replicas", "task", "error"]
         out.append(_table("Errors", columns, results["errors"]))

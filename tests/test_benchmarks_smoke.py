@@ -365,39 +365,6 @@ def test_smoke_run_writes_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_convergence_reports_staleness_and_the_regime_floor(tmp_path):
-    """The convergence table: sync once, tf_diffmap in both regimes, each
-    row with its measured staleness and a verdict against its floor."""
-    _, results, markdown = _run_suite(
-        tmp_path, "--only", "convergence", "--contenders", "mirrored,tf_diffmap"
-    )
-    rows = {(r["regime"], r["rule"]): r for r in results["convergence"]}
-    assert set(rows) == {
-        ("sync", None),
-        ("low", "auto"),
-        ("low", "none"),
-        ("high", "auto"),
-        ("high", "none"),
-    }
-    assert rows[("sync", None)]["mean_staleness"]["median"] is None
-    low, high = rows[("low", "auto")], rows[("high", "auto")]
-    # 16 replicas with device time overlap more than 4: staleness is real.
-    assert 1 <= low["mean_staleness"]["median"] < high["mean_staleness"]["median"]
-    assert high["max_staleness"] >= high["mean_staleness"]["median"]
-    assert all(0 < r["final_accuracy"]["median"] <= 1 for r in rows.values())
-    for regime, per_device, floor in results["plan"]["convergence_regimes"]:
-        table = _table(results, f"Convergence, {regime} staleness: {4 * per_device} replicas")
-        (row,) = table["rows"]
-        verdict, _ = report.convergence_verdict(
-            regime, floor, rows[(regime, "auto")], rows[("sync", None)], rows[(regime, "none")]
-        )
-        assert row["target"] == verdict
-        mean = rows[(regime, "auto")]["mean_staleness"]["median"]
-        assert f"(s {mean:.1f} / " in row["`auto` (default)"]
-    assert markdown.count("| mlp_digits | SGD(") == 2
-
-
-@pytest.mark.slow
 def test_smoke_control_and_cluster(tmp_path):
     """The control and cluster workloads run and report their targets.
 
@@ -545,34 +512,6 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     model = build_model(keras, "mlp_deep_bn")
     assert len(model.weights) == 50
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
-
-
-def _convergence_row(accuracies, staleness=None):
-    spread = {"median": sorted(accuracies)[len(accuracies) // 2], "values": accuracies}
-    spread.update(min=min(accuracies), max=max(accuracies))
-    return {"final_accuracy": spread, "mean_staleness": {"median": staleness}}
-
-
-@pytest.mark.parametrize(
-    "regime, default, none, verdict, met",
-    [
-        ("high", ([0.96, 0.95, 0.97], 11.0), None, "met", True),
-        ("high", ([0.96, 0.95, 0.97], 3.0), None, "invalid: mean staleness 3.0 < 5", None),
-        ("high", ([0.93, 0.94, 0.95], 11.0), None, "missed (sync)", False),
-        ("high", ([0.96, 0.40, 0.97], 11.0), None, "missed (a run at 0.400)", False),
-        ("low", ([0.96, 0.95, 0.97], 2.5), [0.98, 0.98, 0.99], "missed (`none`)", False),
-        ("low", ([0.96, 0.95, 0.97], 2.5), [0.96, 0.97, 0.96], "met", True),
-    ],
-)
-def test_convergence_verdict_names_what_the_default_fell_short_of(
-    regime, default, none, verdict, met
-):
-    floor = 5.0 if regime == "high" else 1.0
-    sync = _convergence_row([0.96, 0.96, 0.965])
-    got = report.convergence_verdict(
-        regime, floor, _convergence_row(*default), sync, none and _convergence_row(none, 2.5)
-    )
-    assert got == (verdict, met)
 
 
 @pytest.mark.slow
