@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
+    "AGGREGATED_RULES",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
@@ -39,6 +40,12 @@ WORKLOADS = (
 # Contenders that only the cluster workload runs (each brings its own cluster).
 CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
 
+# The `AsyncOptimizer` rules that change a step where the store aggregates
+# the shards' gradients into steps (tf_diffmap's default): "drop" decides per
+# push. The per-update rules ("inverse", "dc", ...) change each shard's own
+# update, and run on `tf_diffmap_per_shard` (`gradients_per_step=1`).
+AGGREGATED_RULES = ("drop",)
+
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
 SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster",)
@@ -58,6 +65,7 @@ class Plan:
         "plain_keras",
         "mirrored",
         "tf_diffmap",
+        "tf_diffmap_per_shard",
         "tf_diffmap_bounded",
         "central_storage",
     )
@@ -75,7 +83,9 @@ class Plan:
     accuracy_replicas: int = 4  # time to accuracy on digits: its device count,
     accuracy_slowdown: int = 4  # the straggler's slowdown,
     accuracy_epochs: int = 16  # the budget of epochs,
-    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")  # tf_diffmap's rules,
+    # AsyncOptimizer rules of tf_diffmap_per_shard; tf_diffmap runs its default
+    # step, and each of these that applies to it (`AGGREGATED_RULES`),
+    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")
     accuracy_references: bool = True  # MirroredStrategy and tf_diffmap without the straggler too,
     accuracy_contenders: tuple[str, ...] | None = None  # its contenders (None: all),
     accuracy_targets: tuple[float, ...] = (0.95, 0.97)  # and the accuracies timed
@@ -183,7 +193,7 @@ PRESETS = {
         accuracy_epochs=12,
         accuracy_rules=("none", "inverse", "dc", "drop"),
         accuracy_references=False,
-        accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap"),
+        accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap", "tf_diffmap_per_shard"),
         min_epochs=3,
         min_seconds=1.0,
         control_steps_per_epoch=256,
@@ -198,11 +208,11 @@ PRESETS = {
         embedding_cluster_optimizers=("adagrad",),
         embedding_cluster_epochs=3,
     ),
-    # Two sessions of seconds each, for the test suite: its numbers mean nothing.
+    # Three sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
         name="smoke",
         repeats=1,
-        contenders=("plain_keras", "tf_diffmap"),
+        contenders=("plain_keras", "tf_diffmap", "tf_diffmap_per_shard"),
         replicas=(1,),
         one_device_contenders=("plain_keras",),
         models=("mlp",),
@@ -212,7 +222,7 @@ PRESETS = {
         accuracy_replicas=2,
         accuracy_slowdown=2,
         accuracy_epochs=1,
-        accuracy_rules=(),
+        accuracy_rules=("inverse",),
         accuracy_references=False,
         examples_per_epoch={"mlp": 512, "cnn": 256},
         min_epochs=1,
@@ -317,8 +327,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                 continue
             if contender == "plain_keras" and replicas != 1:
                 continue
-            if replicas == 1 and contender == "tf_diffmap_bounded":
-                continue
+            if replicas == 1 and contender in ("tf_diffmap_bounded", "tf_diffmap_per_shard"):
+                continue  # one replica: K = 1, a step per shard, and nothing to bound
             if (
                 replicas == 1
                 and plan.one_device_contenders is not None
@@ -530,6 +540,13 @@ def _fault_timeline_session(plan: Plan) -> dict[str, Any]:
 
 
 def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:
+    """The time-to-accuracy tasks of one contender's session.
+
+    tf_diffmap's default runs its own step (rule None: the plain optimizer)
+    and the rules of `accuracy_rules` that apply where the store aggregates;
+    `tf_diffmap_per_shard` runs every rule of `accuracy_rules`, each an
+    `AsyncOptimizer` on every shard's update.
+    """
     if plan.accuracy_contenders is not None and contender not in plan.accuracy_contenders:
         return []
     if contender == "plain_keras":
@@ -539,12 +556,13 @@ def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:
         return []
     delay = delays[replicas][plan.accuracy_slowdown]
     if contender == "tf_diffmap":
-        tasks = [_accuracy(plan, delay, rule, True) for rule in plan.accuracy_rules]
+        rules = [None] + [r for r in plan.accuracy_rules if r in AGGREGATED_RULES]
+        tasks = [_accuracy(plan, delay, rule, True) for rule in rules]
         if plan.accuracy_references:
-            tasks.append(_accuracy(plan, delay, "none", False))
+            tasks.append(_accuracy(plan, delay, None, False))
         return tasks
-    if contender == "tf_diffmap_bounded":
-        return [_accuracy(plan, delay, "none", True)]
+    if contender == "tf_diffmap_per_shard":
+        return [_accuracy(plan, delay, rule, True) for rule in plan.accuracy_rules]
     tasks = [_accuracy(plan, delay, None, True)]
     if contender == "mirrored" and plan.accuracy_references:
         tasks.append(_accuracy(plan, delay, None, False))
