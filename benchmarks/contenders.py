@@ -44,7 +44,12 @@ CONTENDERS = {
     for c in (
         Contender("plain_keras", "plain Keras"),
         Contender("mirrored", "MirroredStrategy"),
+        # The default: the store aggregates one shard gradient per replica into
+        # each optimizer step (`gradients_per_step="auto"`).
         Contender("tf_diffmap", "tf_diffmap", asynchronous=True),
+        # Every shard's gradient a step of its own (`gradients_per_step=1`), as
+        # before aggregation, and where `AsyncOptimizer`'s per-update rules apply.
+        Contender("tf_diffmap_per_shard", "tf_diffmap, a step per shard", asynchronous=True),
         Contender(
             "tf_diffmap_own_devices",
             "tf_diffmap, each replica's ops on its own device",
@@ -81,7 +86,8 @@ class Runtime:
         mirrored_reduce: `"one_device"` (`ReductionToOneDevice`, the faster
             on this 2-core host) or `"collective"` (MirroredStrategy's own
             choice on CPUs in TF 2.21).
-        replicas_per_device: tf_diffmap's replicas on each device.
+        replicas_per_device: tf_diffmap's replicas on each device (the
+            default and per-shard contenders).
         steps_per_loop: tf_diffmap's `Strategy(steps_per_loop=K)` (None: its
             default).
         device: `"cpu"` (replicas are logical CPU devices) or `"gpu"` (one
@@ -249,7 +255,7 @@ class Runtime:
             )
         import tf_diffmap
 
-        if self.name in ("tf_diffmap", "tf_diffmap_own_devices"):
+        if self.name in ("tf_diffmap", "tf_diffmap_per_shard", "tf_diffmap_own_devices"):
             return tf_diffmap.Strategy(
                 devices=self.devices,
                 replicas_per_device=self.replicas_per_device,
@@ -266,6 +272,8 @@ class Runtime:
         if self.name == "tf_diffmap_own_devices":
             # As GPU replicas are placed: the transfers between devices paid.
             options["colocate_cpu_replicas"] = False
+        if self.name == "tf_diffmap_per_shard":
+            options["gradients_per_step"] = 1
         return options
 
     def scope(self):
@@ -288,19 +296,6 @@ class Runtime:
         import tf_diffmap
 
         return tf_diffmap.AsyncOptimizer(adam, staleness=rule, drop_above=drop_above)
-
-    def optimizer_from(self, spec: dict, rule: str | None = None, drop_above: int | None = None):
-        """A Keras optimizer from `{"class": ..., **arguments}`, wrapped in
-        `AsyncOptimizer` when a rule is given."""
-        spec = dict(spec)
-        inner = getattr(self.keras.optimizers, spec.pop("class"))(**spec)
-        if rule is None:
-            return inner
-        if not self.asynchronous:
-            raise ValueError(f"Staleness rule {rule!r} needs a tf_diffmap contender.")
-        import tf_diffmap
-
-        return tf_diffmap.AsyncOptimizer(inner, staleness=rule, drop_above=drop_above)
 
     def statistics(self) -> dict[str, Any] | None:
         """The store's staleness statistics, for tf_diffmap contenders."""

@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
+    "AGGREGATED_RULES",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
     "steps_per_epoch",
@@ -34,11 +35,16 @@ WORKLOADS = (
     "cluster",
     "fault_timeline",
     "embeddings",
-    "convergence",
 )
 
 # Contenders that only the cluster workload runs (each brings its own cluster).
 CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
+
+# The `AsyncOptimizer` rules that change a step where the store aggregates
+# the shards' gradients into steps (tf_diffmap's default): "drop" decides per
+# push. The per-update rules ("inverse", "dc", ...) change each shard's own
+# update, and run on `tf_diffmap_per_shard` (`gradients_per_step=1`).
+AGGREGATED_RULES = ("drop",)
 
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
@@ -59,6 +65,7 @@ class Plan:
         "plain_keras",
         "mirrored",
         "tf_diffmap",
+        "tf_diffmap_per_shard",
         "tf_diffmap_bounded",
         "central_storage",
     )
@@ -76,7 +83,9 @@ class Plan:
     accuracy_replicas: int = 4  # time to accuracy on digits: its device count,
     accuracy_slowdown: int = 4  # the straggler's slowdown,
     accuracy_epochs: int = 16  # the budget of epochs,
-    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")  # tf_diffmap's rules,
+    # AsyncOptimizer rules of tf_diffmap_per_shard; tf_diffmap runs its default
+    # step, and each of these that applies to it (`AGGREGATED_RULES`),
+    accuracy_rules: tuple[str, ...] = ("none", "inverse", "dc", "drop")
     accuracy_references: bool = True  # MirroredStrategy and tf_diffmap without the straggler too,
     accuracy_contenders: tuple[str, ...] | None = None  # its contenders (None: all),
     accuracy_targets: tuple[float, ...] = (0.95, 0.97)  # and the accuracies timed
@@ -99,35 +108,7 @@ class Plan:
     points_epochs: int = 3
     points_rounds: int = 3
     seed: int = 0  # seeds data, weights and shuffling
-    # Which of `WORKLOADS` run: all but convergence (about 300 models), which
-    # runs alone (`--only convergence`).
-    workloads: tuple[str, ...] = tuple(w for w in WORKLOADS if w != "convergence")
-    convergence_devices: int = 4  # MirroredStrategy, the reference, uses them all
-    # (name, replicas per device, the mean staleness below which a row does
-    # not measure the regime) per regime of tf_diffmap.
-    convergence_regimes: tuple[tuple[str, int, float], ...] = (("low", 1, 1.0), ("high", 4, 5.0))
-    # (model, optimizer): keys of `workloads.CONVERGENCE_MODELS` and its optimizers.
-    convergence_rows: tuple[tuple[str, str], ...] = tuple(
-        (model, optimizer)
-        for model in ("mlp_digits", "cnn_digits")
-        for optimizer in ("sgd", "sgd_momentum", "adam", "adamw")
-    )
-    # `AsyncOptimizer` rules ("momentum" for SGD with momentum only; "drop"
-    # above twice the staleness of N replicas taking turns).
-    convergence_rules: tuple[str, ...] = (
-        "auto",
-        "none",
-        "linear",
-        "inverse",
-        "dc",
-        "drop",
-        "momentum",
-        "gap",
-    )
-    convergence_seeds: tuple[int, ...] = (0, 1, 2)  # a run per seed (data order, weights)
-    convergence_epochs: int = 15
-    convergence_device_seconds: float = 0.003  # each replica's sleep per step (no CPU)
-    convergence_inter_op_threads: int = 64  # enough for every sleeping replica
+    workloads: tuple[str, ...] = WORKLOADS  # which of `WORKLOADS` run
     # Plain Keras on one device; tf_diffmap on `control_replicas` devices, and
     # with each replica's ops on its own device (as GPU replicas are).
     control_contenders: tuple[str, ...] = ("plain_keras", "tf_diffmap", "tf_diffmap_own_devices")
@@ -212,7 +193,7 @@ PRESETS = {
         accuracy_epochs=12,
         accuracy_rules=("none", "inverse", "dc", "drop"),
         accuracy_references=False,
-        accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap"),
+        accuracy_contenders=("plain_keras", "mirrored", "tf_diffmap", "tf_diffmap_per_shard"),
         min_epochs=3,
         min_seconds=1.0,
         control_steps_per_epoch=256,
@@ -227,11 +208,11 @@ PRESETS = {
         embedding_cluster_optimizers=("adagrad",),
         embedding_cluster_epochs=3,
     ),
-    # Two sessions of seconds each, for the test suite: its numbers mean nothing.
+    # Three sessions of seconds each, for the test suite: its numbers mean nothing.
     "smoke": Plan(
         name="smoke",
         repeats=1,
-        contenders=("plain_keras", "tf_diffmap"),
+        contenders=("plain_keras", "tf_diffmap", "tf_diffmap_per_shard"),
         replicas=(1,),
         one_device_contenders=("plain_keras",),
         models=("mlp",),
@@ -241,7 +222,7 @@ PRESETS = {
         accuracy_replicas=2,
         accuracy_slowdown=2,
         accuracy_epochs=1,
-        accuracy_rules=(),
+        accuracy_rules=("inverse",),
         accuracy_references=False,
         examples_per_epoch={"mlp": 512, "cnn": 256},
         min_epochs=1,
@@ -264,10 +245,6 @@ PRESETS = {
         fault_kill_at=4.0,
         fault_restart_at=7.0,
         fault_warmup_seconds=1.0,
-        convergence_rows=(("mlp_digits", "sgd_momentum"),),
-        convergence_rules=("auto", "none"),
-        convergence_seeds=(0,),
-        convergence_epochs=2,
         embedding_rows=(2_000, 20_000),
         embedding_optimizers=("sgd",),
         embedding_examples_per_epoch=1024,
@@ -350,8 +327,8 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
                 continue
             if contender == "plain_keras" and replicas != 1:
                 continue
-            if replicas == 1 and contender == "tf_diffmap_bounded":
-                continue
+            if replicas == 1 and contender in ("tf_diffmap_bounded", "tf_diffmap_per_shard"):
+                continue  # one replica: K = 1, a step per shard, and nothing to bound
             if (
                 replicas == 1
                 and plan.one_device_contenders is not None
@@ -408,8 +385,6 @@ def sessions(plan: Plan, delays: dict[int, dict[int, float]]) -> list[dict[str, 
         out.append(_fault_timeline_session(plan))
     if "embeddings" in plan.workloads:
         out += _embedding_sessions(plan)
-    if "convergence" in plan.workloads:
-        out += _convergence_sessions(plan)
     return out
 
 
@@ -564,67 +539,14 @@ def _fault_timeline_session(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _convergence_sessions(plan: Plan) -> list[dict[str, Any]]:
-    """MirroredStrategy's reference, and tf_diffmap in each regime, each rule.
-
-    The synchronous reference runs once per row and seed: its update (the
-    mean gradient of the global batch) does not depend on how many replicas
-    compute it, so it is the reference of every regime. Each row and seed
-    is a session of its own (a process), so that a session that fails
-    takes few results with it.
-    """
-    from benchmarks.workloads import CONVERGENCE_MODELS
-
-    def session(contender, regime, replicas_per_device, model, optimizer, seed, rules):
-        spec = CONVERGENCE_MODELS[model]["optimizers"][optimizer]
-        drop_above = 2 * (plan.convergence_devices * replicas_per_device - 1)
-        tasks = [
-            {
-                "kind": "convergence",
-                "model": model,
-                "optimizer": optimizer,
-                "rule": rule,
-                "drop_above": drop_above if rule == "drop" else None,
-                "seed": seed,
-                "epochs": plan.convergence_epochs,
-                "device_seconds": plan.convergence_device_seconds,
-            }
-            for rule in rules
-            if rule != "momentum" or spec.get("momentum")
-        ]
-        return {
-            "contender": contender,
-            "regime": regime,
-            "replicas": plan.convergence_devices,
-            "replicas_per_device": replicas_per_device,
-            "inter_op_threads": plan.convergence_inter_op_threads,
-            "max_staleness": None,
-            "seed": seed,
-            "tasks": tasks,
-        }
-
-    out = []
-    for seed in plan.convergence_seeds:
-        for model, optimizer in plan.convergence_rows:
-            if "mirrored" in plan.contenders:
-                out.append(session("mirrored", "sync", 1, model, optimizer, seed, [None]))
-            if "tf_diffmap" in plan.contenders:
-                for regime, per_device, _ in plan.convergence_regimes:
-                    out.append(
-                        session(
-                            "tf_diffmap",
-                            regime,
-                            per_device,
-                            model,
-                            optimizer,
-                            seed,
-                            plan.convergence_rules,
-                        )
-                    )
-    return out
-
-
 def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:
+    """The time-to-accuracy tasks of one contender's session.
+
+    tf_diffmap's default runs its own step (rule None: the plain optimizer)
+    and the rules of `accuracy_rules` that apply where the store aggregates;
+    `tf_diffmap_per_shard` runs every rule of `accuracy_rules`, each an
+    `AsyncOptimizer` on every shard's update.
+    """
     if plan.accuracy_contenders is not None and contender not in plan.accuracy_contenders:
         return []
     if contender == "plain_keras":
@@ -634,12 +556,13 @@ def _accuracy_tasks(plan, contender, replicas, delays) -> list[dict[str, Any]]:
         return []
     delay = delays[replicas][plan.accuracy_slowdown]
     if contender == "tf_diffmap":
-        tasks = [_accuracy(plan, delay, rule, True) for rule in plan.accuracy_rules]
+        rules = [None] + [r for r in plan.accuracy_rules if r in AGGREGATED_RULES]
+        tasks = [_accuracy(plan, delay, rule, True) for rule in rules]
         if plan.accuracy_references:
-            tasks.append(_accuracy(plan, delay, "none", False))
+            tasks.append(_accuracy(plan, delay, None, False))
         return tasks
-    if contender == "tf_diffmap_bounded":
-        return [_accuracy(plan, delay, "none", True)]
+    if contender == "tf_diffmap_per_shard":
+        return [_accuracy(plan, delay, rule, True) for rule in plan.accuracy_rules]
     tasks = [_accuracy(plan, delay, None, True)]
     if contender == "mirrored" and plan.accuracy_references:
         tasks.append(_accuracy(plan, delay, None, False))

@@ -13,11 +13,13 @@ COLORS = {
     "plain_keras": "#7f7f7f",
     "mirrored": "#1f77b4",
     "tf_diffmap": "#d62728",
+    "tf_diffmap_per_shard": "#9467bd",
     "tf_diffmap_bounded": "#ff7f0e",
     "central_storage": "#2ca02c",
 }
+# Time to accuracy: a color per contender, a line style per AsyncOptimizer rule
+# (None: the contender's own step; tf_diffmap's default aggregates).
 RULE_STYLES = {None: "-", "none": "-", "inverse": "--", "dc": "-.", "drop": ":"}
-RULE_COLORS = {"inverse": "#9467bd", "dc": "#8c564b", "drop": "#e377c2"}
 
 
 def _pyplot():
@@ -127,15 +129,17 @@ def _accuracy(results, path: Path, plt) -> bool:
         histories = sorted(row["histories"], key=lambda h: h[-1]["train_seconds"] if h else 0)
         history = histories[(len(histories) - 1) // 2]
         name = row["label"]
-        if row["rule"] is not None and row["contender"].startswith("tf_diffmap"):
+        if row["rule"] is not None:
             name += f", rule {row['rule']}"
+        elif CONTENDERS[row["contender"]].asynchronous:
+            name += ", default"
         name += ", straggler" if row["straggler"] else ", no straggler"
         ax.plot(
             [0.0] + [h["train_seconds"] for h in history],
             [None] + [h["val_accuracy"] for h in history],
             RULE_STYLES.get(row["rule"], "-"),
             marker="." if row["straggler"] else "x",
-            color=RULE_COLORS.get(row["rule"], COLORS[row["contender"]]),
+            color=COLORS[row["contender"]],
             alpha=1.0 if row["straggler"] else 0.5,
             label=name,
         )

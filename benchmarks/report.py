@@ -42,6 +42,8 @@ straggler_vs_mirrored | >= | 5 | "x" | Straggler (4 replicas, one 4x slower): tf
 straggler_retention | >= | 0.85 | "x" | Straggler (4 replicas, one 4x slower): tf_diffmap / its own no-straggler throughput
 tta_vs_mirrored | <= | 0.5 | "x" | Time to 97% on digits with a straggler: tf_diffmap / MirroredStrategy
 final_accuracy_gap | >= | -0.5 | " points" | Final accuracy on digits with a straggler: tf_diffmap minus MirroredStrategy, in points
+aggregation_throughput | >= | 0.9 | "x" | Aggregation, 4 replicas: tf_diffmap (K = N) / tf_diffmap, a step per shard, throughput
+aggregation_straggler | >= | 0.9 | "x" | Aggregation, straggler (4 replicas, one 4x slower): tf_diffmap (K = N) / tf_diffmap, a step per shard, throughput
 control_spe16 | >= | 1 | "x" | Control path, steps_per_execution=16: tf_diffmap updates/s / plain Keras steps/s
 control_spe1 | >= | 2.5 | "x" | Control path, steps_per_execution=1: tf_diffmap updates/s / plain Keras steps/s
 cluster_vs_in_process | >= | 0.6 | "x" | Cluster: tf_diffmap on the localhost cluster / the same replicas in one process
@@ -58,8 +60,6 @@ embedding_accuracy | >= | -1 | " pt" | Embeddings: best validation accuracy over
 
 # The tf_diffmap default K, which the control targets are read at.
 DEFAULT_STEPS_PER_LOOP = 32
-# A convergence run below this accuracy collapsed (chance is 0.1 on digits).
-COLLAPSED = 0.5
 # The windows of a fault timeline, in order (`benchmarks.timeline.summarize`).
 FAULT_WINDOWS = ("before", "outage", "restarting", "after")
 FAULT_DELAYS = (
@@ -172,6 +172,15 @@ def _reached(values) -> float | None:
     ordered = sorted(values, key=lambda v: math.inf if v is None else v)
     middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
     return None if not middle or None in middle else sum(middle) / len(middle)
+
+
+def _vs_per_shard(row, rows, where) -> float | None:
+    """tf_diffmap's default row: its examples/s over those of a step per
+    shard on the same workload (None for other contenders' rows)."""
+    if row["contender"] != "tf_diffmap":
+        return None
+    per_shard = _rate(rows, contender="tf_diffmap_per_shard", **where)
+    return _ratio(row["examples_per_second"]["median"], per_shard)
 
 
 def _accuracy_extra(group) -> dict[str, Any]:
@@ -382,6 +391,8 @@ def _all_targets(plan, results, tf_keras) -> list[dict[str, Any]]:
                 note="no-straggler reference: the same model and delay layer with a 0 s delay",
             )
         )
+    if "tf_diffmap_per_shard" in plan.contenders:
+        out += _aggregation_targets(plan, throughput, straggler, inputs)
     if "accuracy" in chosen:
         out += _accuracy_targets(plan, results["accuracy"])
     if "control" in chosen:
@@ -420,11 +431,29 @@ def _all_targets(plan, results, tf_keras) -> list[dict[str, Any]]:
     return out
 
 
+def _aggregation_targets(plan, throughput, straggler, inputs) -> list[dict[str, Any]]:
+    """tf_diffmap's default (K = N shard gradients a step) against a step per
+    shard, on the throughput rows at 4 replicas and the straggler's at k=4."""
+    out = []
+    note = "the same run, the contenders alternating"
+    if "throughput" in plan.workloads:
+        for model, input_ in inputs:
+            kind = workloads.MODELS[model]["description"].split(" ")[0]
+            suffix = f" ({kind}, NumPy arrays to fit)" if input_ == "numpy" else f" ({kind})"
+            row = _find(throughput, contender="tf_diffmap", model=model, input=input_, replicas=4)
+            measured = row and row["vs_per_shard"]
+            out.append(_target("aggregation_throughput", measured, note=note, suffix=suffix))
+    if "straggler" in plan.workloads:
+        row = _find(straggler, contender="tf_diffmap", replicas=4, slowdown=4)
+        out.append(_target("aggregation_straggler", row and row["vs_per_shard"], note=note))
+    return out
+
+
 def _accuracy_targets(plan, rows) -> list[dict[str, Any]]:
-    ours = _find(rows, contender="tf_diffmap", rule="none", straggler=True)
+    ours = _find(rows, contender="tf_diffmap", rule=None, straggler=True)
     theirs = _find(rows, contender="mirrored", rule=None, straggler=True)
     top = str(max(plan.accuracy_targets))
-    note = "AsyncOptimizer rule 'none'"
+    note = "tf_diffmap's default: one optimizer step per K = N shard gradients"
     if ours and theirs and theirs["seconds_to"].get(top) is None:
         note = (
             f"MirroredStrategy did not reach {float(top):.0%} within {theirs['epochs']} epochs "
@@ -540,8 +569,10 @@ def build(
         max_staleness=bounded,
     )
     for row in straggler:
+        where = {"replicas": row["replicas"], "slowdown": row["slowdown"]}
         base = _rate(straggler, replicas=row["replicas"], contender=row["contender"], slowdown=1)
         row["retention"] = _ratio(row["examples_per_second"]["median"], base)
+        row["vs_per_shard"] = _vs_per_shard(row, straggler, where)
     throughput = _rows(
         _records(runs, "throughput"),
         ("model", "input", "replicas", "contender"),
@@ -553,6 +584,7 @@ def build(
         where = {k: row[k] for k in ("model", "input", "replicas")}
         mirrored = _rate(throughput, contender="mirrored", **where)
         row["vs_mirrored"] = _ratio(row["examples_per_second"]["median"], mirrored)
+        row["vs_per_shard"] = _vs_per_shard(row, throughput, where)
     accuracy = _rows(
         _records(runs, "accuracy"),
         ("contender", "replicas", "rule", "straggler"),
@@ -562,7 +594,7 @@ def build(
         extra=_accuracy_extra,
         max_staleness=bounded,
     )
-    rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}
+    rules = {None: 0, "none": 1, "inverse": 2, "dc": 3, "drop": 4}  # in the table's order
     accuracy.sort(key=lambda r: (not r["straggler"], _order(r["contender"]), rules.get(r["rule"])))
     cluster = _rows(
         _records(runs, "cluster"),
@@ -611,12 +643,6 @@ def build(
         + ("best_val_accuracy", "bytes_sent_per_update", "mean_staleness"),
         firsts=("table_mb", "examples_per_update", "table_shards"),
     )
-    convergence = _rows(
-        _records(runs, "convergence"),
-        ("regime", "model", "optimizer", "rule"),
-        spreads=("final_accuracy", "mean_staleness"),
-        extra=lambda group: {"momentum_warning": any(r["momentum_warning"] for r in group)},
-    )
     results = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -637,7 +663,6 @@ def build(
         "straggler": straggler,
         "accuracy": accuracy,
         "memory": _memory(runs, bounded),
-        "convergence": convergence,
         "points": points,
         "control": control,
         "cluster": cluster,
@@ -712,6 +737,7 @@ THROUGHPUT = [
     ("Contender", "label", None),
     ("examples/s", "examples_per_second", EPS),
     ("/ MirroredStrategy", "vs_mirrored", RATIO),
+    ("/ a step per shard", "vs_per_shard", RATIO),
 ]
 STRAGGLER = [
     ("Replicas", "replicas", None),
@@ -721,6 +747,7 @@ STRAGGLER = [
     ("examples/s", "examples_per_second", EPS),
     ("s/epoch", "median_epoch_seconds", "{:.2f}"),
     ("kept (of k=1)", "retention", "{:.0%}"),
+    ("/ a step per shard", "vs_per_shard", RATIO),
     ("replica 0 share", "replica0_share", SHARE),
 ]
 POINTS = [
@@ -861,7 +888,7 @@ def _accuracy_table(results) -> dict[str, Any]:
     for r in rows:
         row = {
             **r,
-            "rule": f"drop (> {r['drop_above']})" if r["rule"] == "drop" else r["rule"],
+            "rule": _rule_label(r),
             "straggler": f"replica 0 ×{results['plan']['accuracy_slowdown']}"
             if r["straggler"]
             else "none",
@@ -885,6 +912,16 @@ def _accuracy_table(results) -> dict[str, Any]:
     ]
     title = f"Time to accuracy (digits, {results['plan']['accuracy_epochs']} epochs)"
     return _layout(title, shown, spec)
+
+
+def _rule_label(row) -> str | None:
+    """A time-to-accuracy row's rule: "default" for tf_diffmap's own step
+    (the plain optimizer), "drop (> n)", or the `AsyncOptimizer` rule."""
+    if row["rule"] is None:
+        return "default" if CONTENDERS[row["contender"]].asynchronous else None
+    if row["rule"] == "drop":
+        return f"drop (> {row['drop_above']})"
+    return row["rule"]
 
 
 def _short(device: str) -> str:
@@ -1043,103 +1080,21 @@ def _embedding_tables(results) -> list[dict[str, Any]]:
     return out
 
 
-def convergence_verdict(regime, floor, default, sync, none) -> tuple[str, bool | None]:
-    """A row's verdict on the default rule, and whether it met its target
-    (None when the row does not measure its regime)."""
-    if default is None or sync is None:
-        return "n/a", None
-    staleness = default["mean_staleness"]["median"]
-    if staleness is None or staleness < floor:
-        return f"invalid: mean staleness {staleness or 0:.1f} < {floor:g}", None
-    acc = default["final_accuracy"]
-    worst = acc["min"] if acc["min"] is not None else acc["median"]
-    references = [("sync", sync)] + ([("`none`", none)] if regime == "low" and none else [])
-    short = [
-        name
-        for name, row in references
-        if acc["median"] < row["final_accuracy"]["median"] - 0.01 + 1e-9
-    ]
-    if worst < COLLAPSED:
-        short.append(f"a run at {worst:.3f}")
-    return ("missed (" + ", ".join(short) + ")", False) if short else ("met", True)
-
-
-def _accuracy_cell(row, staleness: bool = False) -> str | None:
-    if row is None:
-        return None
-    accuracy = row["final_accuracy"]["median"]
-    text = cell(row["final_accuracy"], "{:.3f}")
-    if accuracy is not None and accuracy < COLLAPSED:
-        text = f"**{text}**"
-    mean = row["mean_staleness"]["median"]
-    if staleness and mean is not None:
-        text += f" (s {mean:.1f} / {row['max_staleness']:.0f})"
-    return text
-
-
-def _convergence_tables(results) -> list[dict[str, Any]]:
-    plan, rows = results["plan"], results["convergence"]
-    rules, devices = list(plan["convergence_rules"]), plan["convergence_devices"]
-    names = [f"`{r}`" + (" (default)" if r == "auto" else "") for r in rules]
-    gaps = ["default − sync", "default − `none`"]
-    out = []
-    for regime, per_device, floor in plan["convergence_regimes"]:
-        lines, verdicts = [], []
-        for model, optimizer in plan["convergence_rows"]:
-            key = {"model": model, "optimizer": optimizer}
-            sync = _find(rows, regime="sync", rule=None, **key)
-            found = {rule: _find(rows, regime=regime, rule=rule, **key) for rule in rules}
-            default, none = found.get("auto"), found.get("none")
-            verdict, ok = convergence_verdict(regime, floor, default, sync, none)
-            verdicts.append(ok)
-            line = {
-                "Model": model,
-                "Optimizer": workloads.convergence_optimizer_label(model, optimizer),
-                "sync": _accuracy_cell(sync),
-                **{n: _accuracy_cell(found[r], True) for n, r in zip(names, rules)},
-                "target": verdict,
-            }
-            for column, reference in zip(gaps, (sync, none)):
-                if default and reference:
-                    line[column] = 100 * (
-                        default["final_accuracy"]["median"] - reference["final_accuracy"]["median"]
-                    )
-            lines.append(line)
-        valid = [v for v in verdicts if v is not None]
-        target = (
-            "target: the default's median within 1 point of sync"
-            + (" and of `none`" if regime == "low" else "")
-            + f", no run below {COLLAPSED}: met in {sum(valid)} of {len(valid)} valid rows; "
-            f"{len(verdicts) - len(valid)} rows invalid or missing"
-        )
-        setting = (
-            f"digits, {plan['convergence_epochs']} epochs, median of "
-            f"{len(plan['convergence_seeds'])} seed(s); (s mean / max staleness)"
-        )
-        out.append(
-            _table(
-                f"Convergence, {regime} staleness: {devices * per_device} replicas ({devices} "
-                f"devices x {per_device}); floor: mean staleness {floor:g}",
-                ["Model", "Optimizer", "sync", *names, *gaps, "target"],
-                lines,
-                dict.fromkeys(gaps, "{:+.1f}"),
-                [target, setting],
-            )
-        )
-    return out
-
-
 def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every table of a results document, in the order of `results.md`."""
     plan = results["plan"]
     chosen = set(plan["workloads"])
     out = [_run_table(results), _targets_table(results)]
+    # The column of tf_diffmap's default over a step per shard, where both ran.
+    spec = {"throughput": THROUGHPUT, "straggler": STRAGGLER}
+    if "tf_diffmap_per_shard" not in plan["contenders"]:
+        spec = {k: [c for c in v if c[1] != "vs_per_shard"] for k, v in spec.items()}
     if "throughput" in chosen:
         title = "Throughput (examples/s, no straggler)"
-        out.append(_layout(title, results["throughput"], THROUGHPUT))
+        out.append(_layout(title, results["throughput"], spec["throughput"]))
     if "straggler" in chosen:
         title = "Straggler: replica 0 k times slower"
-        out.append(_layout(title, results["straggler"], STRAGGLER))
+        out.append(_layout(title, results["straggler"], spec["straggler"]))
     if "accuracy" in chosen:
         out.append(_accuracy_table(results))
     if results["points"]:
@@ -1176,8 +1131,6 @@ def tables(results: dict[str, Any]) -> list[dict[str, Any]]:
         out += _fault_tables(results)
     if "embeddings" in chosen:
         out += _embedding_tables(results)
-    if "convergence" in chosen:
-        out += _convergence_tables(results)
     if results["errors"]:
         columns = ["round", "contender", "replicas", "task", "error"]
         out.append(_table("Errors", columns, results["errors"]))

@@ -485,26 +485,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated workloads to run, of: "
         + ", ".join(plans.WORKLOADS)
-        + " (default: the preset's, which leave out convergence; the smoke preset "
-        "also leaves out control, cluster and fault_timeline)",
-    )
-    parser.add_argument(
-        "--convergence-rows",
-        default=None,
-        help="comma-separated model:optimizer rows of the convergence table, e.g. "
-        "cnn_digits:sgd_momentum,mlp_digits:adam (default: every row of the plan)",
-    )
-    parser.add_argument(
-        "--convergence-rules",
-        default=None,
-        help="comma-separated AsyncOptimizer rules of the convergence table, e.g. "
-        "auto,none (default: every rule of the plan)",
-    )
-    parser.add_argument(
-        "--convergence-seeds",
-        type=int,
-        default=None,
-        help="seeds of each row of the convergence table (default: the plan's, 3)",
+        + " (default: the preset's; the smoke preset leaves out control, cluster, "
+        "fault_timeline and embeddings)",
     )
     parser.add_argument(
         "--device",
@@ -564,32 +546,6 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"Unknown workloads {unknown}; choose from {list(plans.WORKLOADS)}.")
         plan = dataclasses.replace(plan, workloads=chosen)
-    full = plans.PRESETS["full"]
-    if args.convergence_rows:
-        rows = tuple(
-            tuple(r.strip().split(":", 1)) for r in args.convergence_rows.split(",") if r.strip()
-        )
-        unknown = [":".join(r) for r in rows if r not in full.convergence_rows]
-        if unknown:
-            raise SystemExit(
-                f"Unknown convergence rows {unknown}; choose from "
-                f"{[':'.join(r) for r in full.convergence_rows]}."
-            )
-        plan = dataclasses.replace(plan, convergence_rows=rows)
-    if args.convergence_rules:
-        chosen = tuple(r.strip() for r in args.convergence_rules.split(",") if r.strip())
-        unknown = [r for r in chosen if r not in full.convergence_rules]
-        if unknown:
-            raise SystemExit(
-                f"Unknown convergence rules {unknown}; choose from {list(full.convergence_rules)}."
-            )
-        plan = dataclasses.replace(plan, convergence_rules=chosen)
-    if args.convergence_seeds is not None:
-        if args.convergence_seeds < 1:
-            raise SystemExit(
-                f"--convergence-seeds must be >= 1, received {args.convergence_seeds}."
-            )
-        plan = dataclasses.replace(plan, convergence_seeds=tuple(range(args.convergence_seeds)))
     args.resolved_device = resolve_device(args.device, args.python)
     command = "python -m benchmarks " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])

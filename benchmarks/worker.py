@@ -28,10 +28,7 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from typing import Any
-
-import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -376,54 +373,6 @@ def run_accuracy(rt, task: dict, seed: int) -> dict[str, Any]:
     return out
 
 
-def run_convergence(rt, task: dict, seed: int) -> dict[str, Any]:
-    """Final validation accuracy on digits after a fixed budget of epochs.
-
-    Every replica sleeps `device_seconds` in each training step (emulated
-    device time: a replica waiting on its own accelerator uses no CPU), so
-    that replicas overlap and staleness is what that many devices would
-    give. The task's own seed seeds data order and weights. Records the
-    measured staleness and whether tf_diffmap warned about momentum.
-    """
-    seed = task.get("seed", seed)
-    spec = workloads.CONVERGENCE_MODELS[task["model"]]
-    x_train, x_val, y_train, y_val = workloads.digits_data(seed)
-    x_train = x_train.reshape((-1, *spec["input_shape"]))
-    x_val = x_val.reshape((-1, *spec["input_shape"]))
-    batch_size = spec["batch_size"]
-    rt.keras.utils.set_random_seed(seed)
-    with rt.scope():
-        delay = workloads.replica_delay(
-            rt.keras, task["device_seconds"], legacy=rt.legacy, replicas=range(1024)
-        )
-        model = workloads.build_convergence_model(rt.keras, task["model"], delay)
-        optimizer = rt.optimizer_from(
-            spec["optimizers"][task["optimizer"]], task.get("rule"), task.get("drop_above")
-        )
-        _compile(rt, model, optimizer)
-    rt.reset_statistics()
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        history = model.fit(
-            workloads.dataset(x_train, y_train, batch_size, shuffle_seed=seed),
-            steps_per_epoch=_steps(x_train, batch_size),
-            epochs=task["epochs"],
-            verbose=0,
-        )
-    seconds = time.perf_counter() - start
-    predictions = model.predict(x_val, batch_size=512, verbose=0)
-    out: dict[str, Any] = {
-        "final_accuracy": float(np.mean(np.argmax(predictions, axis=1) == y_val)),
-        "losses": [float(v) for v in history.history["loss"]],
-        "fit_seconds": seconds,
-        "momentum_warning": any("momentum" in str(w.message) for w in caught),
-    }
-    if rt.asynchronous:
-        out["staleness"] = rt.statistics()
-    return out
-
-
 def run_points(rt, task: dict, seed: int) -> dict[str, Any]:
     """The cost of `StalenessTensorBoard(update_freq="batch")` on digits.
 
@@ -676,7 +625,6 @@ TASKS = {
     "throughput": run_throughput,
     "straggler": run_straggler,
     "accuracy": run_accuracy,
-    "convergence": run_convergence,
     "points": run_points,
     "control": run_control,
     "cluster": run_cluster,

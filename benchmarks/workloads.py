@@ -21,9 +21,6 @@ __all__ = [
     "build_model",
     "mlp_accuracy",
     "replica_delay",
-    "CONVERGENCE_MODELS",
-    "build_convergence_model",
-    "convergence_optimizer_label",
     "control_data",
     "build_control_model",
     "EMBEDDING_MODEL",
@@ -59,63 +56,6 @@ DEEP_BN_BLOCKS = 8
 
 # The control workload's model: so small that a step is almost all control path.
 CONTROL_MODEL = {"features": 8, "description": "Dense(1) on 8 inputs, MSE, SGD"}
-
-
-# The convergence table's models on digits (8x8 images), each with its global
-# batch size and the optimizers it is trained with: a Keras class and its
-# arguments, tuned for synchronous training of that model.
-CONVERGENCE_MODELS = {
-    "mlp_digits": {
-        "input_shape": (64,),
-        "description": "MLP 64-96-10 (ReLU)",
-        "batch_size": 256,
-        "optimizers": {
-            "sgd": {"class": "SGD", "learning_rate": 0.5},
-            "sgd_momentum": {"class": "SGD", "learning_rate": 0.2, "momentum": 0.9},
-            "adam": {"class": "Adam", "learning_rate": 2e-3},
-            "adamw": {"class": "AdamW", "learning_rate": 2e-3, "weight_decay": 4e-3},
-        },
-    },
-    "cnn_digits": {
-        "input_shape": (8, 8, 1),
-        "description": "CNN conv16-pool-conv32-global average pool-dense10",
-        "batch_size": 64,
-        "optimizers": {
-            "sgd": {"class": "SGD", "learning_rate": 0.3},
-            "sgd_momentum": {"class": "SGD", "learning_rate": 0.05, "momentum": 0.9},
-            "adam": {"class": "Adam", "learning_rate": 5e-3},
-            "adamw": {"class": "AdamW", "learning_rate": 5e-3, "weight_decay": 4e-3},
-        },
-    },
-}
-
-
-def convergence_optimizer_label(model: str, optimizer: str) -> str:
-    """The optimizer as a reader knows it, e.g. `SGD(0.2, momentum=0.9)`."""
-    spec = dict(CONVERGENCE_MODELS[model]["optimizers"][optimizer])
-    args = [f"{spec.pop('class')}({spec.pop('learning_rate'):g}"]
-    args += [f"{k}={v:g}" for k, v in spec.items()]
-    return ", ".join(args) + ")"
-
-
-def build_convergence_model(keras: ModuleType, model: str, delay_layer=None):
-    """A fresh model of `CONVERGENCE_MODELS`, ending in a softmax over 10 digits."""
-    layers = keras.layers
-    if model not in CONVERGENCE_MODELS:
-        raise ValueError(f"Unknown model {model!r}; expected one of {sorted(CONVERGENCE_MODELS)}.")
-    head = [keras.Input(CONVERGENCE_MODELS[model]["input_shape"])]
-    if delay_layer is not None:
-        head.append(delay_layer)
-    if model == "mlp_digits":
-        body = [layers.Dense(96, activation="relu")]
-    else:
-        body = [
-            layers.Conv2D(16, 3, padding="same", activation="relu"),
-            layers.MaxPooling2D(2),
-            layers.Conv2D(32, 3, padding="same", activation="relu"),
-            layers.GlobalAveragePooling2D(),
-        ]
-    return keras.Sequential(head + body + [layers.Dense(10, activation="softmax")])
 
 
 def synthetic_data(model: str, examples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -8,6 +8,7 @@ check that each table has its columns and a row per contender, that the
 figures are finite and positive, and that the targets agree with the rows.
 """
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -30,6 +31,8 @@ TIMED_TARGETS = {
     "tta_vs_mirrored",
     "final_accuracy_gap",
 }
+# Where the plan runs tf_diffmap a step per shard beside its default.
+AGGREGATION_TARGETS = {"aggregation_throughput", "aggregation_straggler"}
 
 
 def _table(results, title: str) -> dict:
@@ -239,6 +242,85 @@ def test_tables_have_a_row_per_configuration_and_print_its_figures():
     assert "| sgd | 0.20x | 0.90x |" in markdown  # examples/s at 20,000 rows / at 2,000
 
 
+def _straggler(eps_by_k: dict[int, float]):
+    task = {"kind": "straggler", "model": "mlp"}
+    windows = {
+        str(k): {"examples_per_second": eps, "median_epoch_seconds": 2048 / eps}
+        for k, eps in eps_by_k.items()
+    }
+    return task, {"windows": windows}
+
+
+def test_the_default_is_compared_with_a_step_per_shard_side_by_side():
+    """tf_diffmap's rows carry their examples/s over a step per shard's, a
+    column of the tables and the aggregation targets."""
+    runs = [
+        _session(0, "tf_diffmap", 4, [_throughput(3000.0), _straggler({1: 2700.0, 4: 2000.0})]),
+        _session(
+            0, "tf_diffmap_per_shard", 4, [_throughput(3200.0), _straggler({1: 2800.0, 4: 2500.0})]
+        ),
+    ]
+    plan = plans.Plan(
+        name="made-up",
+        repeats=1,
+        contenders=("tf_diffmap", "tf_diffmap_per_shard"),
+        replicas=(4,),
+        models=("mlp",),
+        numpy_input_replicas=(),
+        straggler_replicas=(4,),
+        slowdowns=(1, 4),
+        workloads=("throughput", "straggler"),
+    )
+    results = report.build(
+        plan=plan,
+        runs=runs,
+        calibration={},
+        machine={"cpu": "a CPU", "logical_cpus": 2},
+        tf_keras={"available": False, "reason": "no tf-keras here"},
+        command="python -m benchmarks",
+        mirrored_reduce="one_device",
+        seconds=60.0,
+    )
+    markdown = report.markdown(results)
+    targets = _check_targets(results, markdown)
+    assert targets["aggregation_throughput"]["measured"] == pytest.approx(3000 / 3200)
+    assert targets["aggregation_throughput"]["met"] is True  # the threshold is 0.9x
+    assert targets["aggregation_straggler"]["measured"] == pytest.approx(2000 / 2500)
+    assert targets["aggregation_straggler"]["met"] is False
+    assert _table(results, "Throughput")["columns"][-1] == "/ a step per shard"
+    assert "| mlp | dataset | 4 | tf_diffmap | 3,000 | – | 0.94x |" in markdown
+    assert "| mlp | dataset | 4 | tf_diffmap, a step per shard | 3,200 | – | – |" in markdown
+    line = _line(markdown, "| 4 | tf_diffmap | 4 |")
+    assert "| 74% | 0.80x |" in line  # kept 2,000 of 2,700; 2,000 / 2,500
+
+
+def test_per_update_rules_run_on_a_step_per_shard_and_the_default_runs_its_own():
+    """The time-to-accuracy tasks: `AsyncOptimizer`'s per-update rules run
+    where every shard's gradient is a step; the default runs its own step
+    (no rule), and `drop`, which applies to aggregated steps too."""
+    plan = dataclasses.replace(plans.PRESETS["full"], workloads=("accuracy",))
+    sessions = plans.sessions(plan, {4: {1: 0.0, 2: 0.01, 4: 0.03}})
+    rules = {
+        (s["contender"], s["replicas"]): [(t["rule"], t["straggler"]) for t in s["tasks"]]
+        for s in sessions
+    }
+    assert rules == {
+        ("plain_keras", 1): [(None, False)],
+        ("mirrored", 4): [(None, True), (None, False)],
+        ("tf_diffmap", 4): [(None, True), ("drop", True), (None, False)],
+        ("tf_diffmap_per_shard", 4): [(r, True) for r in ("none", "inverse", "dc", "drop")],
+        ("tf_diffmap_bounded", 4): [(None, True)],
+        ("central_storage", 4): [(None, True)],
+    }
+    quick = dataclasses.replace(plans.PRESETS["quick"], workloads=("accuracy",))
+    assert {s["contender"] for s in plans.sessions(quick, {4: {1: 0.0, 4: 0.03}})} == {
+        "plain_keras",
+        "mirrored",
+        "tf_diffmap",
+        "tf_diffmap_per_shard",
+    }
+
+
 def test_cells_print_spreads_and_nothing_alike():
     spread = {"median": 2.0, "min": 1.0, "max": 3.5, "values": [1.0, 2.0, 3.5]}
     assert report.cell(spread, "{:.1f}x") == "2.0x (1.0x–3.5x)"
@@ -305,7 +387,7 @@ def test_smoke_run_writes_results(tmp_path):
     assert "| straggler t, 2 replicas | 2.0 ms (k=2: 2.0 ms; fixed by the plan) |" in markdown
     # The smoke preset runs no contender on 4 devices: no target is measured, each says why.
     targets = {t["key"]: t for t in results["targets"]}
-    assert set(targets) == TIMED_TARGETS
+    assert set(targets) == TIMED_TARGETS | AGGREGATION_TARGETS
     assert all(t["met"] is None for t in targets.values())
 
     (throughput,) = results["throughput"]
@@ -326,7 +408,9 @@ def test_smoke_run_writes_results(tmp_path):
     )
 
     straggler = {(r["contender"], r["replicas"], r["slowdown"]): r for r in results["straggler"]}
-    assert set(straggler) == {("tf_diffmap", 2, 1), ("tf_diffmap", 2, 2)}
+    assert set(straggler) == {
+        (c, 2, k) for c in ("tf_diffmap", "tf_diffmap_per_shard") for k in (1, 2)
+    }
     for row in straggler.values():
         _positive(row["examples_per_second"])
         assert 0 < row["replica0_share"] < 1
@@ -336,20 +420,39 @@ def test_smoke_run_writes_results(tmp_path):
         slowed["examples_per_second"]["median"]
         / straggler[("tf_diffmap", 2, 1)]["examples_per_second"]["median"]
     )
+    # The default (K = N) over a step per shard, on the default's rows only.
+    assert slowed["vs_per_shard"] == pytest.approx(
+        slowed["examples_per_second"]["median"]
+        / straggler[("tf_diffmap_per_shard", 2, 2)]["examples_per_second"]["median"]
+    )
+    assert straggler[("tf_diffmap_per_shard", 2, 2)]["vs_per_shard"] is None
     line = _line(markdown, "| 2 | tf_diffmap | 2 |")
     assert f"| {slowed['examples_per_second']['median']:,.0f} |" in line
-    assert f"| {slowed['retention']:.0%} |" in line
+    assert f"| {slowed['retention']:.0%} | {slowed['vs_per_shard']:.2f}x |" in line
+    assert _line(markdown, "| 2 | tf_diffmap, a step per shard | 2 |")
 
-    (accuracy,) = results["accuracy"]
-    assert accuracy["contender"] == "plain_keras" and not accuracy["straggler"]
-    assert 0 < accuracy["final_accuracy"]["median"] <= 1
-    assert set(accuracy["seconds_to"]) == {"0.95", "0.97"}
-    assert accuracy["histories"][0][0]["epoch"] == 1
+    # Plain Keras' reference; tf_diffmap's default; the per-update rule on a
+    # step per shard.
+    accuracy = {(r["contender"], r["rule"]): r for r in results["accuracy"]}
+    assert set(accuracy) == {
+        ("plain_keras", None),
+        ("tf_diffmap", None),
+        ("tf_diffmap_per_shard", "inverse"),
+    }
+    reference = accuracy[("plain_keras", None)]
+    assert not reference["straggler"]
+    assert accuracy[("tf_diffmap", None)]["straggler"]
+    for row in accuracy.values():
+        assert 0 < row["final_accuracy"]["median"] <= 1
+        assert set(row["seconds_to"]) == {"0.95", "0.97"}
+        assert row["histories"][0][0]["epoch"] == 1
     line = _line(markdown, "| plain Keras | 1 | – | none |")
-    assert f"| {accuracy['final_accuracy']['median']:.4f} |" in line
+    assert f"| {reference['final_accuracy']['median']:.4f} |" in line
+    assert _line(markdown, "| tf_diffmap | 2 | default | replica 0 ×2 |")
+    assert _line(markdown, "| tf_diffmap, a step per shard | 2 | inverse | replica 0 ×2 |")
 
     memory = {(r["contender"], r["replicas"]): r for r in results["memory"]}
-    assert set(memory) == {("plain_keras", 1), ("tf_diffmap", 2)}
+    assert set(memory) == {("plain_keras", 1), ("tf_diffmap", 2), ("tf_diffmap_per_shard", 2)}
     assert all(r["peak_rss_mb_session"] > 100 for r in memory.values())
 
     # The cost of batch-level staleness points, under tf_diffmap on 2 devices.
@@ -365,47 +468,19 @@ def test_smoke_run_writes_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_convergence_reports_staleness_and_the_regime_floor(tmp_path):
-    """The convergence table: sync once, tf_diffmap in both regimes, each
-    row with its measured staleness and a verdict against its floor."""
-    _, results, markdown = _run_suite(
-        tmp_path, "--only", "convergence", "--contenders", "mirrored,tf_diffmap"
-    )
-    rows = {(r["regime"], r["rule"]): r for r in results["convergence"]}
-    assert set(rows) == {
-        ("sync", None),
-        ("low", "auto"),
-        ("low", "none"),
-        ("high", "auto"),
-        ("high", "none"),
-    }
-    assert rows[("sync", None)]["mean_staleness"]["median"] is None
-    low, high = rows[("low", "auto")], rows[("high", "auto")]
-    # 16 replicas with device time overlap more than 4: staleness is real.
-    assert 1 <= low["mean_staleness"]["median"] < high["mean_staleness"]["median"]
-    assert high["max_staleness"] >= high["mean_staleness"]["median"]
-    assert all(0 < r["final_accuracy"]["median"] <= 1 for r in rows.values())
-    for regime, per_device, floor in results["plan"]["convergence_regimes"]:
-        table = _table(results, f"Convergence, {regime} staleness: {4 * per_device} replicas")
-        (row,) = table["rows"]
-        verdict, _ = report.convergence_verdict(
-            regime, floor, rows[(regime, "auto")], rows[("sync", None)], rows[(regime, "none")]
-        )
-        assert row["target"] == verdict
-        mean = rows[(regime, "auto")]["mean_staleness"]["median"]
-        assert f"(s {mean:.1f} / " in row["`auto` (default)"]
-    assert markdown.count("| mlp_digits | SGD(") == 2
-
-
-@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_smoke_control_and_cluster(tmp_path):
     """The control and cluster workloads run and report their targets.
 
     The cluster workload starts localhost servers (LocalCluster for
     tf_diffmap); ParameterServerStrategy needs tf-keras, which this
-    interpreter may not have, and is then left out with the reason.
+    interpreter may not have, and is then left out with the reason. Six
+    sessions, two of them localhost clusters: 6 minutes on a 2-core host
+    that other jobs kept busy (load average 9 to 13), hence its timeout.
     """
-    _, results, markdown = _run_suite(tmp_path, "--only", "control,cluster", "--device", "cpu")
+    _, results, markdown = _run_suite(
+        tmp_path, "--only", "control,cluster", "--device", "cpu", timeout=840
+    )
     assert results["machine"]["device"] == "cpu"
     control = {
         (r["contender"], r["steps_per_loop"], r["steps_per_execution"]): r
@@ -545,34 +620,6 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     model = build_model(keras, "mlp_deep_bn")
     assert len(model.weights) == 50
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
-
-
-def _convergence_row(accuracies, staleness=None):
-    spread = {"median": sorted(accuracies)[len(accuracies) // 2], "values": accuracies}
-    spread.update(min=min(accuracies), max=max(accuracies))
-    return {"final_accuracy": spread, "mean_staleness": {"median": staleness}}
-
-
-@pytest.mark.parametrize(
-    "regime, default, none, verdict, met",
-    [
-        ("high", ([0.96, 0.95, 0.97], 11.0), None, "met", True),
-        ("high", ([0.96, 0.95, 0.97], 3.0), None, "invalid: mean staleness 3.0 < 5", None),
-        ("high", ([0.93, 0.94, 0.95], 11.0), None, "missed (sync)", False),
-        ("high", ([0.96, 0.40, 0.97], 11.0), None, "missed (a run at 0.400)", False),
-        ("low", ([0.96, 0.95, 0.97], 2.5), [0.98, 0.98, 0.99], "missed (`none`)", False),
-        ("low", ([0.96, 0.95, 0.97], 2.5), [0.96, 0.97, 0.96], "met", True),
-    ],
-)
-def test_convergence_verdict_names_what_the_default_fell_short_of(
-    regime, default, none, verdict, met
-):
-    floor = 5.0 if regime == "high" else 1.0
-    sync = _convergence_row([0.96, 0.96, 0.965])
-    got = report.convergence_verdict(
-        regime, floor, _convergence_row(*default), sync, none and _convergence_row(none, 2.5)
-    )
-    assert got == (verdict, met)
 
 
 @pytest.mark.slow

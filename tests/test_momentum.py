@@ -1,7 +1,8 @@
 """Momentum under asynchrony: when the warning is due, and what it says.
 
-That following its advice trains where the plain optimizer collapses is
-tested where staleness is real, in `test_convergence_regimes.py`.
+Where staleness is real, `test_convergence_regimes.py` trains momentum SGD
+under the default, which aggregates shard gradients into steps; the
+warning's advice (an `AsyncOptimizer` rule) is for a step per shard.
 """
 
 import dataclasses
