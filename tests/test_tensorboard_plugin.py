@@ -313,13 +313,13 @@ def test_hand_encoded_events_are_what_the_protocol_buffers_say(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 
+    from tf_diffmap.tensorboard_plugin.encoding import Series
     from tf_diffmap.tensorboard_plugin.event_file import EventFile
-    from tf_diffmap.tensorboard_plugin.summary import _Series
 
     meta = summary_pb2.SummaryMetadata(
         summary_description="d", plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="p")
     )
-    scalar, matrix = _Series("a/scalar", meta), _Series("a/matrix", meta)
+    scalar, matrix = Series("a/scalar", meta), Series("a/matrix", meta)
     events = EventFile(tmp_path)
     points = [
         (0, 1.5, np.arange(6.0).reshape(2, 3)),
@@ -351,6 +351,38 @@ def test_hand_encoded_events_are_what_the_protocol_buffers_say(tmp_path):
         assert event.step == step and abs(event.wall_time - time.time()) < 60
         assert event.summary == expected, (event.summary, expected)
     assert np.isinf(records[2].summary.value[0].tensor.float_val[0])
+
+
+def test_scalars_encoded_in_blocks_are_the_scalars_encoded_one_by_one():
+    """`ScalarBlocks` fills templates of bytes with NumPy: the bytes of
+    `Series.scalar` of each present slot, in order, whatever the points
+    have (three sets of slots among five points, and floats beyond float32)."""
+    from tensorboard.compat.proto import summary_pb2
+
+    from tf_diffmap.tensorboard_plugin.encoding import ScalarBlocks, Series
+
+    meta = summary_pb2.SummaryMetadata(summary_description="d")
+
+    def series():
+        made = [Series(f"s/{n}/replica_{n % 3}", meta) for n in range(12)]
+        for one in made:
+            one.scalar(0.0)  # the first value, with the metadata
+        return [*made[:5], None, *made[5:]]
+
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(5, 13)) * 10.0 ** rng.integers(-3, 5, size=(5, 13))
+    values[1, 2], values[3, 4] = 1e39, -1e40
+    present = np.ones((5, 13), bool)
+    present[:, 5] = False  # a slot without series is never present
+    present[[1, 3], 7] = False
+    present[4, :] = False
+    present[4, 0] = True
+    blocks = ScalarBlocks(series()).encode(values, present)
+    reference = series()
+    for k in range(5):
+        expected = b"".join(reference[j].scalar(values[k, j]) for j in range(13) if present[k, j])
+        assert blocks[k] == expected, k
+    assert ScalarBlocks(series()).encode(values[:0], present[:0]) == []
 
 
 def test_data_functions_read_what_the_writer_wrote(tmp_path):

@@ -533,7 +533,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
                     break  # their batches count in the next point
                 # Points go in chunks, the fit's first alone (its cost is not
                 # known yet): the budget is checked between chunks.
-                size = len(due) if self.max_overhead is None else 1 if not self._point_cpu else 16
+                size = len(due) if self.max_overhead is None else 1 if not self._point_cpu else 64
                 chunk, due = due[:size], due[size:]
                 start = time.thread_time()
                 self._write_many(read, chunk, steps)

@@ -8,18 +8,17 @@ file of its own (`event_file.py`).
 The values are the tensors `tf.summary.scalar` and `tf.summary.histogram`
 would write, with the same plugin metadata, so TensorBoard reads them as
 scalars and histograms; they are encoded in Python (the protocol buffer
-wire format, `_Series`) rather than with TensorFlow ops because a point per
-batch must cost little (see `event_file.py`). Writing needs no `tf.summary` state, so a recording
-condition left on by another callback (Keras' `TensorBoard` with an integer
-`update_freq`, tensorflow/tensorboard#4975) cannot drop these summaries.
+wire format, `encoding.py`) rather than with TensorFlow ops because a point
+per batch must cost little (see `event_file.py`). Writing needs no
+`tf.summary` state, so a recording condition left on by another callback
+(Keras' `TensorBoard` with an integer `update_freq`,
+tensorflow/tensorboard#4975) cannot drop these summaries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import struct
 
 import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -30,7 +29,8 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
-from tf_diffmap.tensorboard_plugin.event_file import EventFile, field, varint
+from tf_diffmap.tensorboard_plugin.encoding import BUCKET_BYTES, ScalarBlocks, Series
+from tf_diffmap.tensorboard_plugin.event_file import EventFile
 
 __all__ = ["IntervalFigures", "interval_figures", "scalars_layout", "StalenessSummaryWriter"]
 
@@ -435,106 +435,39 @@ def histogram_buckets(counts: np.ndarray) -> np.ndarray:
     return buckets
 
 
-# A scalar's tensor up to its value: float32 (as `tf.summary.scalar`
-# writes; TensorBoard's data server takes no other scalar type), shape [],
-# one packed float (4 bytes) in `float_val`.
-_SCALAR_TENSOR = b"\x08" + varint(types_pb2.DT_FLOAT) + field(2, b"") + b"\x2a\x04"
-_DOUBLE_TENSOR = b"\x08" + varint(types_pb2.DT_DOUBLE)
-_BUCKET_BYTES = 3 * 8  # a histogram bucket: left edge, right edge, count
-_FLOAT = struct.Struct("<f")
-
-
-def _float32(number: float) -> bytes:
-    try:
-        return _FLOAT.pack(number)
-    except OverflowError:  # beyond float32: infinite, as a cast would make it
-        return _FLOAT.pack(math.copysign(math.inf, number))
-
-
-class _Series:
-    """One tag's values, each encoded as a `Summary`'s `value` field.
-
-    A point writes some forty values; each is the bytes of its tag (made once
-    per tag, and per shape of a matrix) followed by its number or content:
-    about a third of what filling protocol buffers cost. The first value of a
-    tag in an event file carries the tag's metadata, as TensorFlow's own
-    writer does: TensorBoard keeps the first it reads.
-    """
-
-    __slots__ = ("_tag", "_metadata", "_scalar", "_matrices")
-
-    def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata):
-        self._tag = field(1, tag.encode())  # Value: tag 1, tensor 8, metadata 9
-        self._metadata = field(9, summary_metadata.SerializeToString())
-        self._scalar: bytes | None = None
-        self._matrices: dict[tuple[int, ...], bytes] = {}
-
-    def scalar(self, number: float) -> bytes:
-        """A scalar value (float32)."""
-        if self._scalar is None:
-            if self._metadata:
-                return self._first(_SCALAR_TENSOR + _float32(number))
-            self._scalar = self._until_last(_SCALAR_TENSOR, 4)
-        return self._scalar + _float32(number)
-
-    def matrix(self, content: bytes, shape: tuple[int, ...]) -> bytes:
-        """A float64 tensor value of `shape` (e.g. a histogram), from its
-        little-endian `content`."""
-        prefix = self._matrices.get(shape)
-        if prefix is None:
-            # TensorProto: dtype 1, tensor_shape 2 (its dims 2, each with
-            # size 1), tensor_content 4, last.
-            dims = b"".join(field(2, b"\x08" + varint(n) if n else b"") for n in shape)
-            tensor = _DOUBLE_TENSOR + field(2, dims) + b"\x22" + varint(len(content))
-            if self._metadata:
-                return self._first(tensor + content)
-            prefix = self._matrices[shape] = self._until_last(tensor, len(content))
-        return prefix + content
-
-    def _first(self, tensor: bytes) -> bytes:
-        value = field(1, self._tag + field(8, tensor) + self._metadata)
-        self._metadata = b""
-        return value
-
-    def _until_last(self, tensor: bytes, size: int) -> bytes:
-        """A value's encoding but its last `size` bytes (the tensor's number
-        or content, of that fixed size), without metadata."""
-        value = field(1, self._tag + field(8, tensor + bytes(size)))
-        return value[: len(value) - size]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Row:
     """The series of one replica (or of all replicas together) in a point."""
 
-    mean: _Series
-    max: _Series
-    distribution: _Series
-    updates: _Series
-    share: _Series | None
-    examples_per_second: _Series
-    dropped: _Series | None
-    lr_scale: _Series | None
-    lost: _Series
-    step_mean: _Series
-    step_max: _Series
-    step_distribution: _Series
+    mean: Series
+    max: Series
+    distribution: Series
+    updates: Series
+    share: Series | None
+    examples_per_second: Series
+    dropped: Series | None
+    lr_scale: Series | None
+    lost: Series
+    step_mean: Series
+    step_max: Series
+    step_distribution: Series
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepValues:
-    """The staleness in optimizer steps of K points, ready to encode: plain
-    lists (`[K][replicas + 1]`), and the running step totals' bytes, point
-    after point (their histograms' buckets follow the versions')."""
-
-    mean: list
-    max: list
-    bins: list
-    optimizer_steps: list | None
-    gradients_per_step: list
-    stepped: list
-    totals: bytes
-    totals_size: int
+# A point's scalars per row, in the order they are written.
+_ROW_SCALARS = (
+    "mean",
+    "max",
+    "step_mean",
+    "step_max",
+    "updates",
+    "share",
+    "examples_per_second",
+    "dropped",
+    "lr_scale",
+    "lost",
+)
+# The store's scalars, in that order.
+_STORE_SCALARS = (metadata.VERSION, metadata.OPTIMIZER_STEPS, metadata.GRADIENTS_PER_STEP)
 
 
 def _totals_of(
@@ -588,7 +521,7 @@ class StalenessSummaryWriter:
             step_totals, run_info, metadata.STEP_TOTALS_COLUMNS, "step_totals"
         )
         self._file = EventFile(log_dir)
-        self._series: dict[tuple[str, int | None | str], _Series] = {}
+        self._series: dict[tuple[str, int | None | str], Series] = {}
         # One row of series per replica, then one for all replicas (None).
         self._rows = [
             _Row(
@@ -607,18 +540,23 @@ class StalenessSummaryWriter:
             )
             for r in [*range(run_info.num_replicas), None]
         ]
-        self._version = self._get(metadata.VERSION, "")
         self._totals = self._get(metadata.TOTALS, "")
-        self._optimizer_steps = self._get(metadata.OPTIMIZER_STEPS, "")
-        self._gradients_per_step = self._get(metadata.GRADIENTS_PER_STEP, "")
         self._step_totals = self._get(metadata.STEP_TOTALS, "")
+        # A point's scalars: each row's (`_ROW_SCALARS`), then the store's,
+        # as a last row's first slots.
+        store = [self._get(series, "") for series in _STORE_SCALARS]
+        self._scalars = ScalarBlocks(
+            [getattr(row, name) for row in self._rows for name in _ROW_SCALARS]
+            + store
+            + [None] * (len(_ROW_SCALARS) - len(store))
+        )
 
     @property
     def path(self) -> str:
         """The event file."""
         return self._file.path
 
-    def _get(self, series: str, replica: int | None | str) -> _Series:
+    def _get(self, series: str, replica: int | None | str) -> Series:
         found = self._series.get((series, replica))
         if found is None:
             tag = series if replica == "" else metadata.tag(series, replica)
@@ -643,7 +581,7 @@ class StalenessSummaryWriter:
             else:
                 meta = scalar_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
                 meta.data_class = summary_pb2.DATA_CLASS_SCALAR
-            found = self._series[series, replica] = _Series(tag, meta)
+            found = self._series[series, replica] = Series(tag, meta)
         return found
 
     def point(
@@ -684,9 +622,105 @@ class StalenessSummaryWriter:
     def _summaries(
         self, intervals: StalenessStats, stack: _Stack, lost: list[np.ndarray | None]
     ) -> list[bytes]:
-        """The `Summary` of each of K points (`point` of each, in order)."""
+        """The `Summary` of each of K points (`point` of each, in order):
+        a point's scalars (see `_scalar_slots`), then its matrices."""
+        points = len(stack.version)
+        scalars = self._scalars.encode(*self._scalar_slots(stack, lost))
+        totals = self._running_totals(intervals, stack)
+        # Point k's histogram of row i: its first bins[k] buckets of 3
+        # floats; the steps' histograms (if any) after the versions'.
+        buckets = np.ascontiguousarray(histogram_buckets(stack.histograms), dtype="<f8")
+        row_size = buckets[0, 0].nbytes
+        buckets = buckets.tobytes()
+        steps = stack.steps
+        rows = len(self._rows)
+        claimed, bins = stack.claimed.tolist(), stack.bins.tolist()
+        step_bins = None if steps is None else steps.bins.tolist()
+        summaries = []
+        for k in range(points):
+            values = [scalars[k]]
+            add = values.append
+            start = k * rows * row_size
+            for i, row in enumerate(self._rows):
+                if claimed[k][i] > 0:
+                    at = start + i * row_size
+                    size = bins[k] * BUCKET_BYTES
+                    add(row.distribution.matrix(buckets[at : at + size], (bins[k], 3)))
+                    if steps is not None:  # every update counts in both histograms
+                        at += rows * row_size * points
+                        size = step_bins[k] * BUCKET_BYTES
+                        content = buckets[at : at + size]
+                        add(row.step_distribution.matrix(content, (step_bins[k], 3)))
+            for series, (table, shape) in zip((self._totals, self._step_totals), totals):
+                size = len(table) // points
+                add(series.matrix(table[k * size : (k + 1) * size], shape))
+            summaries.append(b"".join(values))
+        return summaries
+
+    def _scalar_slots(
+        self, stack: _Stack, lost: list[np.ndarray | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The scalars of K points: `[K, slots]` values and whether each is
+        written, slots in the order of `self._scalars`: `_ROW_SCALARS` of
+        each row, then the store's.
+
+        A row's staleness where it had updates (applied or dropped), in
+        steps where the store aggregates; its share (a replica's row); its
+        examples per second where time passed; the rule's figures with a
+        rule (the learning-rate factor where updates were applied); whether
+        it was lost where that is known. The store's version, and where it
+        aggregates its optimizer steps, and its gradients per step where it
+        took a step.
+        """
+        points, rows = stack.updates.shape
+        kinds = len(_ROW_SCALARS)
+        # One call per figure: the store's scalars are a last row's.
+        values = np.zeros((points, rows + 1, kinds))
+        present = np.zeros((points, rows + 1, kinds), bool)
+        claimed = stack.claimed > 0
+        values[:, :rows, 0] = stack.mean
+        values[:, :rows, 1] = stack.max
+        present[:, :rows, 0:2] = claimed[:, :, None]
+        steps = stack.steps
+        if steps is not None:
+            values[:, :rows, 2] = steps.mean
+            values[:, :rows, 3] = steps.max
+            present[:, :rows, 2:4] = claimed[:, :, None]
+        values[:, :rows, 4] = stack.updates
+        values[:, : rows - 1, 5] = stack.share
+        present[:, :rows, 4] = True
+        present[:, : rows - 1, 5] = True
+        if stack.examples_per_second is not None:
+            values[:, :rows, 6] = stack.examples_per_second
+            present[:, :rows, 6] = stack.timed[:, None]
+        if self.rules:
+            values[:, :rows, 7] = stack.dropped
+            values[:, :rows, 8] = stack.lr_scale
+            present[:, :rows, 7] = True
+            present[:, :rows, 8] = stack.updates > 0
+        for k, replicas in enumerate(lost):
+            if replicas is not None:
+                values[k, : rows - 1, 9] = replicas
+                values[k, rows - 1, 9] = np.sum(replicas)
+                present[k, :rows, 9] = True
+        store = values[:, rows]
+        store[:, 0] = stack.version
+        present[:, rows, 0] = True
+        if steps is not None:
+            if stack.optimizer_steps is not None:
+                store[:, 1] = stack.optimizer_steps
+                present[:, rows, 1] = True
+            store[:, 2] = stack.gradients_per_step
+            present[:, rows, 2] = stack.stepped
+        return values.reshape(points, -1), present.reshape(points, -1)
+
+    def _running_totals(
+        self, intervals: StalenessStats, stack: _Stack
+    ) -> list[tuple[bytes, tuple[int, int]]]:
+        """The running totals at each of K points (and adds the intervals'
+        counts to them): `TOTALS`, and `STEP_TOTALS` where the store
+        aggregates, each as the bytes of K tables and a table's shape."""
         points, replicas = intervals.updates.shape
-        # The running totals at each point.
         added = np.zeros((points, replicas, len(metadata.TOTALS_COLUMNS)))
         added[:, :, 0] = intervals.updates
         added[:, :, 1] = intervals.dropped
@@ -698,101 +732,18 @@ class StalenessSummaryWriter:
             np.maximum(self.totals[:, 4], stack.max[:, :-1]), axis=0
         )
         self.totals = totals[-1].copy()
-        totals_shape = self.totals.shape
-        totals = np.ascontiguousarray(totals, dtype="<f8").tobytes()
-        totals_size = len(totals) // points
-        # Point k's histogram of row i: its first bins[k] buckets of 3
-        # floats; the steps' histograms (if any) after the versions'.
-        buckets = np.ascontiguousarray(histogram_buckets(stack.histograms), dtype="<f8")
-        row_size = buckets[0, 0].nbytes
-        buckets = buckets.tobytes()
-        steps = None
+        out = [(np.ascontiguousarray(totals, dtype="<f8").tobytes(), self.totals.shape)]
         if stack.steps is not None:
-            steps = self._step_values(intervals, stack)
-
-        # Plain floats and bytes, made once for all K points: NumPy calls
-        # value by value would cost more than encoding the values.
-        claimed, mean = stack.claimed.tolist(), stack.mean.tolist()
-        largest, updates = stack.max.tolist(), stack.updates.tolist()
-        share, dropped = stack.share.tolist(), stack.dropped.tolist()
-        lr_scale, versions = stack.lr_scale.tolist(), stack.version.tolist()
-        timed = stack.timed.tolist()
-        eps = None if stack.examples_per_second is None else stack.examples_per_second.tolist()
-        bins = stack.bins.tolist()
-        summaries = []
-        for k in range(points):
-            values = []
-            add = values.append
-            shape = (bins[k], 3)
-            start = k * len(self._rows) * row_size
-            if steps is not None:
-                step_mean, step_max = steps.mean[k], steps.max[k]
-                step_shape = (steps.bins[k], 3)
-                step_start = start + len(self._rows) * row_size * points
-            for i, row in enumerate(self._rows):
-                if claimed[k][i] > 0:
-                    add(row.mean.scalar(mean[k][i]))
-                    add(row.max.scalar(largest[k][i]))
-                    at = start + i * row_size
-                    add(row.distribution.matrix(buckets[at : at + shape[0] * _BUCKET_BYTES], shape))
-                    if steps is not None:  # every update counts in both histograms
-                        add(row.step_mean.scalar(step_mean[i]))
-                        add(row.step_max.scalar(step_max[i]))
-                        at = step_start + i * row_size
-                        content = buckets[at : at + step_shape[0] * _BUCKET_BYTES]
-                        add(row.step_distribution.matrix(content, step_shape))
-                add(row.updates.scalar(updates[k][i]))
-                if row.share is not None:
-                    add(row.share.scalar(share[k][i]))
-                if eps is not None and timed[k]:
-                    add(row.examples_per_second.scalar(eps[k][i]))
-                if self.rules:
-                    add(row.dropped.scalar(dropped[k][i]))
-                    if updates[k][i] > 0:
-                        add(row.lr_scale.scalar(lr_scale[k][i]))
-                if lost[k] is not None:
-                    add(row.lost.scalar(float(lost[k][i] if i < replicas else np.sum(lost[k]))))
-            add(self._version.scalar(versions[k]))
-            add(self._totals.matrix(totals[k * totals_size : (k + 1) * totals_size], totals_shape))
-            if steps is not None:
-                if steps.optimizer_steps is not None:
-                    add(self._optimizer_steps.scalar(steps.optimizer_steps[k]))
-                if steps.stepped[k]:
-                    add(self._gradients_per_step.scalar(steps.gradients_per_step[k]))
-                at = k * steps.totals_size
-                add(
-                    self._step_totals.matrix(
-                        steps.totals[at : at + steps.totals_size], self.step_totals.shape
-                    )
-                )
-            summaries.append(b"".join(values))
-        return summaries
-
-    def _step_values(self, intervals: StalenessStats, stack: _Stack) -> _StepValues:
-        """The staleness in optimizer steps of K points as plain values (see
-        `_summaries`), and the running step totals at each, as bytes."""
-        figures = stack.steps
-        points = len(stack.version)
-        added = np.zeros((points, *self.step_totals.shape))
-        added[:, :, 0] = intervals.step_staleness_sum
-        totals = self.step_totals + np.cumsum(added, axis=0)
-        totals[:, :, 1] = np.maximum.accumulate(
-            np.maximum(self.step_totals[:, 1], figures.max[:, :-1]), axis=0
-        )
-        self.step_totals = totals[-1].copy()
-        totals = np.ascontiguousarray(totals, dtype="<f8").tobytes()
-        return _StepValues(
-            mean=figures.mean.tolist(),
-            max=figures.max.tolist(),
-            bins=figures.bins.tolist(),
-            optimizer_steps=None
-            if stack.optimizer_steps is None
-            else stack.optimizer_steps.tolist(),
-            gradients_per_step=stack.gradients_per_step.tolist(),
-            stepped=stack.stepped.tolist(),
-            totals=totals,
-            totals_size=len(totals) // points,
-        )
+            added = np.zeros((points, *self.step_totals.shape))
+            added[:, :, 0] = intervals.step_staleness_sum
+            totals = self.step_totals + np.cumsum(added, axis=0)
+            totals[:, :, 1] = np.maximum.accumulate(
+                np.maximum(self.step_totals[:, 1], stack.steps.max[:, :-1]), axis=0
+            )
+            self.step_totals = totals[-1].copy()
+            step_table = np.ascontiguousarray(totals, dtype="<f8").tobytes()
+            out.append((step_table, self.step_totals.shape))
+        return out
 
     # -- what the callback calls ------------------------------------------
 
