@@ -146,7 +146,52 @@ def test_epoch_points_are_the_strategys_own_statistics(tmp_path):
     np.testing.assert_array_equal(totals[:, 0], run.updates)
     np.testing.assert_array_equal(totals[:, 2], run.examples)
     np.testing.assert_array_equal(totals[:, 3], run.staleness_sum)
+    check_steps_against_statistics(series, snapshots, strategy.statistics())
     check_layout_and_run_info(tmp_path / metadata.RUN_NAME, series)
+
+
+def histogram_of(series, tag, k, bins):
+    """Point k's counts of staleness 0, 1, ... of a distribution series."""
+    buckets = series[tag][k][1]
+    np.testing.assert_array_equal(buckets[:, 0] + 0.5, np.arange(len(buckets)))
+    counts = np.zeros(bins)
+    counts[: len(buckets)] = buckets[:, 2]
+    return counts
+
+
+def check_steps_against_statistics(series, snapshots, final):
+    """The staleness in optimizer steps of epoch points: each point the
+    strategy's own figures of its epoch, and the last the whole run's."""
+    assert final.aggregated, "4 replicas aggregate 4 gradients to a step by default"
+    bins = final.step_histogram.shape[1]
+    for epoch in range(len(snapshots) - 1):
+        now, interval = snapshots[epoch + 1], snapshots[epoch + 1].since(snapshots[epoch])
+        assert interval.step_histogram[:, -1].sum() == 0
+        assert value_at(series, metadata.OPTIMIZER_STEPS, epoch) == now.steps
+        # An epoch ends with a drain that applies its last, partial window.
+        assert value_at(series, metadata.GRADIENTS_PER_STEP, epoch) == pytest.approx(
+            interval.gradients_per_step, rel=1e-6
+        )
+        for r in [*range(REPLICAS), None]:
+            tag = metadata.tag
+            if r is None:
+                mean, counts = interval.overall_mean_step_staleness, interval.step_histogram.sum(0)
+            else:
+                mean, counts = interval.mean_step_staleness[r], interval.step_histogram[r]
+            assert value_at(series, tag(metadata.STEP_MEAN, r), epoch) == pytest.approx(mean)
+            assert value_at(series, tag(metadata.STEP_MAX, r), epoch) == np.flatnonzero(counts)[-1]
+            np.testing.assert_array_equal(
+                histogram_of(series, tag(metadata.STEP_DISTRIBUTION, r), epoch, bins), counts
+            )
+    # The running step totals at the last point: the strategy's at the end.
+    run = snapshots[-1].since(snapshots[0])
+    step_totals = series[metadata.STEP_TOTALS][-1][1]
+    np.testing.assert_array_equal(step_totals[:, 0], run.step_staleness_sum)
+    np.testing.assert_array_equal(step_totals[:, 1], final.step_staleness_max)
+    assert step_totals[:, 0].sum() / run.updates.sum() == pytest.approx(
+        final.overall_mean_step_staleness
+    )
+    assert values_of(series, metadata.OPTIMIZER_STEPS)[-1] == final.steps
 
 
 def check_layout_and_run_info(run_dir, series):
@@ -165,6 +210,7 @@ def check_layout_and_run_info(run_dir, series):
     )
     for regex in charts.values():
         assert any(re.search(regex, t) for t in series), regex
+    assert any("optimizer steps" in title for title in charts)
     # The dashboard's own data: running totals, with the run described.
     accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     accumulator.Reload()
@@ -173,7 +219,7 @@ def check_layout_and_run_info(run_dir, series):
     assert totals_metadata.data_class == summary_pb2.DATA_CLASS_TENSOR
     info = metadata.RunInfo.from_bytes(totals_metadata.plugin_data.content)
     assert info.num_replicas == REPLICAS and info.step_unit == "epoch" and info.rule is None
-    assert len(info.devices) == REPLICAS
+    assert len(info.devices) == REPLICAS and info.gradients_per_step == REPLICAS
 
 
 @pytest.mark.parametrize("update_freq, max_overhead", [(2, None), ("batch", None), ("batch", 1e-6)])
@@ -234,6 +280,7 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_f
     np.testing.assert_array_equal(
         series[metadata.TOTALS][-1][1][:, 0], after.updates - before.updates
     )
+    check_batch_steps(series, expected_steps, before, after)
     assert not drains, "a batch-level point waited for the replicas"
     # The thread took every point but the epochs' last (written at the epochs' ends).
     thread_points = [step for step in expected_steps if step % 7]
@@ -260,6 +307,25 @@ def test_batch_points_add_up_beside_keras_tensorboard(tmp_path, caplog, update_f
     final = strategy.statistics()
     np.testing.assert_array_equal(
         series[metadata.TOTALS][-1][1][:, 0], final.updates - before.updates
+    )
+
+
+def check_batch_steps(series, steps, before, after):
+    """Batch-level points in optimizer steps: every point has them, from the
+    ring of snapshots, and they add up to the strategy's counts."""
+    assert before.steps is None, "nothing was traced yet: no step counted"
+    for tag in (metadata.OPTIMIZER_STEPS, metadata.STEP_TOTALS):
+        assert steps_of(series, tag) == steps, tag
+    optimizer_steps = values_of(series, metadata.OPTIMIZER_STEPS)
+    assert (np.diff(optimizer_steps) >= 0).all() and optimizer_steps[-1] == after.steps
+    bins = after.step_histogram.shape[1]
+    for r in range(REPLICAS):
+        tag = metadata.tag(metadata.STEP_DISTRIBUTION, r)
+        counts = sum(histogram_of(series, tag, k, bins) for k in range(len(series[tag])))
+        np.testing.assert_array_equal(counts, after.step_histogram[r] - before.step_histogram[r])
+    np.testing.assert_array_equal(
+        series[metadata.STEP_TOTALS][-1][1][:, 0],
+        after.step_staleness_sum - before.step_staleness_sum,
     )
 
 
@@ -381,6 +447,10 @@ def test_rule_series_follow_the_async_optimizer(tmp_path):
     )
     titles = [chart.title for chart in layout.category[0].chart]
     assert any("Dropped" in t for t in titles) and any("learning-rate" in t for t in titles)
+    # Every update a step of its own: the staleness in versions says it all.
+    assert not recorder.snapshots[-1].aggregated
+    assert not [t for t in series if "steps" in t or t == metadata.GRADIENTS_PER_STEP]
+    assert not any("optimizer steps" in t for t in titles)
 
 
 def test_a_failed_point_stops_the_fit_and_leaves_no_thread(tmp_path):
@@ -426,10 +496,28 @@ def test_refuses_a_bad_max_overhead(max_overhead):
         tf_diffmap.StalenessTensorBoard("logs", update_freq="batch", max_overhead=max_overhead)
 
 
-def stats(histogram, updates=None, dropped=None, lr_scale_sum=None, examples=None, version=0):
+def stats(
+    histogram,
+    updates=None,
+    dropped=None,
+    lr_scale_sum=None,
+    examples=None,
+    version=0,
+    step_histogram=None,
+    steps=None,
+):
     histogram = np.array(histogram, np.int64)
     n = histogram.shape[0]
     updates = np.array(updates if updates is not None else histogram.sum(axis=1))
+    in_steps = {}
+    if step_histogram is not None:
+        step_histogram = np.array(step_histogram, np.int64)
+        in_steps = dict(
+            steps=steps,
+            step_histogram=step_histogram,
+            step_staleness_sum=(step_histogram * np.arange(step_histogram.shape[1])).sum(axis=1),
+            step_staleness_max=np.zeros(n, np.int64),
+        )
     return StalenessStats(
         version=version,
         updates=updates,
@@ -439,6 +527,7 @@ def stats(histogram, updates=None, dropped=None, lr_scale_sum=None, examples=Non
         histogram=histogram,
         lr_scale_sum=None if lr_scale_sum is None else np.array(lr_scale_sum, np.float64),
         examples=None if examples is None else np.array(examples),
+        **in_steps,
     )
 
 
@@ -467,6 +556,27 @@ def test_interval_figures_by_hand():
     plain = interval_figures(stats([[1, 1]]), version=2, seconds=0.0)
     assert plain.examples_per_second is None
     np.testing.assert_allclose(plain.lr_scale, [1, 1])
+    assert plain.step_mean is None and plain.optimizer_steps is None
+    assert plain.gradients_per_step is None
+
+
+def test_interval_figures_in_optimizer_steps_by_hand():
+    # Six gradients in versions 0-3, aggregated into 2 steps: in steps,
+    # replica 1's gradients were all a step late.
+    interval = stats(
+        [[2, 1, 0, 0], [0, 0, 3, 0]], step_histogram=[[3, 0, 0, 0], [0, 3, 0, 0]], steps=2
+    )
+    figures = interval_figures(interval, version=6, seconds=1.0, optimizer_steps=9)
+    np.testing.assert_allclose(figures.step_mean, [0, 1, 0.5])
+    np.testing.assert_array_equal(figures.step_max, [0, 1, 1])
+    np.testing.assert_array_equal(figures.step_histogram, [[3, 0], [0, 3], [3, 3]])
+    np.testing.assert_allclose(figures.mean, [1 / 3, 2, 7 / 6])  # versions: as ever
+    assert figures.optimizer_steps == 9 and figures.gradients_per_step == 3.0
+    # An interval that applied no step has no figure of gradients per step.
+    idle = interval_figures(
+        stats([[1, 0]], step_histogram=[[1, 0]], steps=0), version=7, seconds=1.0
+    )
+    assert idle.gradients_per_step is None and idle.step_mean.tolist() == [0, 0]
 
 
 def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
@@ -475,15 +585,27 @@ def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
 
     info = metadata.RunInfo(2, ("CPU:0", "CPU:1"), 4, "batch", rule="inverse")
+    # In optimizer steps: no step at point 2; replica 0's update of point 3 a step late.
+    in_steps = [
+        {"step_histogram": [[3, 0, 0, 0], [0, 0, 0, 0]], "steps": 1},
+        {"step_histogram": [[1, 0, 0, 0], [2, 0, 0, 0]], "steps": 0},
+        {"step_histogram": [[3, 1, 0, 0], [2, 0, 0, 0]], "steps": 2},
+    ]
+    versions = [
+        (([[1, 2, 0, 0], [0, 0, 0, 0]], [3, 0], [0, 0], [2.0, 0.0], [24, 0]), 0.5, None),
+        (([[0, 0, 0, 1], [2, 0, 0, 0]], [0, 2], [1, 0], [0.0, 2.0], [8, 16]), 0.0, None),
+        (([[4, 0, 0, 0], [0, 1, 1, 0]], [4, 2], [0, 0], [4.0, 1.5], [32, 16]), 0.25, [1, 0]),
+    ]
     points = [
-        (stats([[1, 2, 0, 0], [0, 0, 0, 0]], [3, 0], [0, 0], [2.0, 0.0], [24, 0]), 0.5, None),
-        (stats([[0, 0, 0, 1], [2, 0, 0, 0]], [0, 2], [1, 0], [0.0, 2.0], [8, 16]), 0.0, None),
-        (stats([[4, 0, 0, 0], [0, 1, 1, 0]], [4, 2], [0, 0], [4.0, 1.5], [32, 16]), 0.25, [1, 0]),
+        (stats(*counts, **steps), seconds, lost)
+        for (counts, seconds, lost), steps in zip(versions, in_steps, strict=True)
     ]
     one_by_one = StalenessSummaryWriter(tmp_path / "one", info, rules=True)
     for step, (interval, seconds, lost) in enumerate(points, start=1):
         lost = None if lost is None else np.array(lost, bool)
-        one_by_one.write(step, interval, version=10 * step, seconds=seconds, lost=lost)
+        one_by_one.write(
+            step, interval, version=10 * step, seconds=seconds, lost=lost, optimizer_steps=step
+        )
     together = StalenessSummaryWriter(tmp_path / "many", info, rules=True)
     together.write_many(
         [1, 2, 3],
@@ -493,16 +615,19 @@ def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
             **{
                 name: np.stack([getattr(p[0], name) for p in points])
                 for name in ("updates", "dropped", "staleness_sum", "histogram")
-                + ("lr_scale_sum", "examples")
+                + ("lr_scale_sum", "examples", "steps", "step_staleness_sum", "step_histogram")
             },
         ),
         np.array([10, 20, 30]),
         np.array([p[1] for p in points]),
         [None if p[2] is None else np.array(p[2], bool) for p in points],
+        optimizer_steps=np.array([1, 2, 3]),
     )
     for writer in (one_by_one, together):
         writer.close()
     np.testing.assert_array_equal(together.totals, one_by_one.totals)
+    np.testing.assert_array_equal(together.step_totals, [[1, 1], [0, 0]])
+    np.testing.assert_array_equal(together.step_totals, one_by_one.step_totals)
     events = [
         [
             (event.step, event.summary)
@@ -519,6 +644,11 @@ def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
     assert metadata.tag(rate, 0) in tags[0] and metadata.tag(rate, 0) not in tags[1]
     assert metadata.tag(lost, 0) in tags[2] and metadata.tag(lost, 0) not in tags[1]
     np.testing.assert_array_equal(together.totals[:, 0], [7, 4])
+    # In steps: where versions have a point, and no gradients per step without a step.
+    step_mean, per_step = metadata.STEP_MEAN, metadata.GRADIENTS_PER_STEP
+    assert metadata.tag(step_mean, 0) in tags[0] and metadata.tag(step_mean, 1) not in tags[0]
+    assert per_step in tags[0] and per_step not in tags[1] and per_step in tags[2]
+    assert all({metadata.OPTIMIZER_STEPS, metadata.STEP_TOTALS} <= t for t in tags)
 
 
 def test_counters_that_went_back_start_a_new_count():
@@ -526,6 +656,18 @@ def test_counters_that_went_back_start_a_new_count():
     after_reset = stats([[1, 0]])
     assert _interval(after_reset, before).updates.tolist() == [1]
     assert _interval(stats([[5, 6]]), before).updates.tolist() == [3]
+
+
+def test_optimizer_steps_count_from_a_store_that_did_not_aggregate_yet():
+    # Before the first trace the store counts no step (steps None): it had applied none.
+    before = stats([[4, 4]])
+    now = stats([[5, 6]], step_histogram=[[9, 2]], steps=7)
+    interval = _interval(now, before)
+    assert interval.steps == 7 and interval.step_histogram is None
+    # The statistics reset, the store's steps go on: an interval's steps stay a difference.
+    later = _interval(stats([[1, 0]], step_histogram=[[1, 0]], steps=9), now)
+    assert later.updates.tolist() == [1] and later.steps == 2
+    assert later.step_histogram.tolist() == [[1, 0]]
 
 
 def test_a_recording_condition_left_off_cannot_drop_points(tmp_path):

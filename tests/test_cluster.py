@@ -446,7 +446,15 @@ SECOND_FIT_CLIENT = textwrap.dedent(
         events.Reload()
         updates = [tf.make_ndarray(e.tensor_proto).item()
                    for e in events.Tensors("work/updates/all")]
+        # Two replicas aggregate two gradients to an optimizer step: the
+        # sampled points have the staleness in steps too.
+        in_steps = [tf.make_ndarray(e.tensor_proto)[:, 2].sum()
+                    for e in events.Tensors("staleness/steps/distribution/all")]
         report = {
+            "optimizer_steps": [tf.make_ndarray(e.tensor_proto).item()
+                                for e in events.Tensors("store/optimizer_steps")],
+            "statistics_steps": strategy.statistics().steps,
+            "point_updates_in_steps": float(sum(in_steps)),
             "first": int(first.examples.sum()),
             "second": int(strategy.statistics().examples.sum() - first.examples.sum()),
             "version": strategy.version,
@@ -472,6 +480,9 @@ def test_a_second_fit_reads_its_own_dataset_on_the_workers(tmp_path):
     steps = report["point_steps"]
     assert steps and steps[-1] == 64 and steps == sorted(set(steps)), steps
     assert report["point_updates"] == report["fit_updates"] == 64 * 2
+    assert report["point_updates_in_steps"] == 64 * 2
+    steps = report["optimizer_steps"]
+    assert steps == sorted(steps) and steps[-1] == report["statistics_steps"]
 
 
 VALIDATION_CLIENT = textwrap.dedent(

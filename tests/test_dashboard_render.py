@@ -12,12 +12,16 @@ whose DOM is checked for the charts; and inside TensorBoard itself
 from __future__ import annotations
 
 import decimal
+import http.server
 import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -167,6 +171,129 @@ def test_tab_names_the_replicas_lost(served):
     legend = re.findall(r'<span class="swatch"[^>]*></span>([^<]*)<', dom)
     assert "replica 2 · lost" in legend and "replica 1" in legend
     assert '<option value="work/lost"' in dom  # the line chart offers the series
+
+
+def unit_switch(dom: str) -> str | None:
+    """The unit switch's element, or None where it is hidden."""
+    found = re.search(r'<span class="unit-switch"([^>]*)>(.*?)</span>', dom, re.S)
+    assert found, "no unit switch in the page"
+    return None if re.search(r"\bhidden\b", found.group(1)) else found.group(2)
+
+
+def pressed(switch: str) -> list[str]:
+    return re.findall(r'<button[^>]*data-unit="(\w+)"[^>]*aria-pressed="true"', switch)
+
+
+def check_drawn_in_steps(dom: str, trained) -> None:
+    """The tab of the main run, drawn with the staleness in optimizer steps."""
+    assert 'class="message error"' not in dom
+    switch = unit_switch(dom)
+    assert switch and pressed(switch) == ["steps"]
+    chart = re.search(r'<svg class="line-chart"[^>]*data-chart="over-time".*?</svg>', dom, re.S)
+    assert chart and 'aria-label="Mean staleness (optimizer steps)"' in chart.group(0)
+    lines = re.findall(r'<path class="series"[^>]*data-key="([^"]+)"', chart.group(0))
+    assert sorted(lines) == sorted([str(r) for r in range(REPLICAS)] + ["all"])
+    assert re.search(r'<canvas class="heatmap"[^>]*data-unit="optimizer steps"', dom)
+    stats = trained.statistics
+    steps_card = re.search(
+        r'<div class="label">Optimizer steps</div><div class="value">(\d+)</div>', dom
+    )
+    assert steps_card and int(steps_card.group(1)) == stats.steps
+    mean = re.search(
+        r'<div class="label">Mean staleness</div><div class="value">([\d.]+)'
+        r'<span class="unit">optimizer steps</span>',
+        dom,
+    )
+    assert mean and mean.group(1) == _to_fixed(stats.overall_mean_step_staleness, 2)
+
+
+def test_tab_shows_the_staleness_in_optimizer_steps(served):
+    trained, server = served
+    page = server.url + "data/plugin/staleness/index.html"
+    # By default in versions, with the switch offered: the run aggregated.
+    dom = run_chromium(page, "--dump-dom").stdout
+    switch = unit_switch(dom)
+    assert switch and pressed(switch) == ["versions"]
+    assert 'aria-label="Mean staleness (versions)"' in dom
+    assert not re.search(r'<canvas class="heatmap"[^>]*data-unit="optimizer', dom)
+    # The page can be opened in steps.
+    result = run_chromium(page + "?unit=steps", "--dump-dom")
+    assert 'id="staleness-app"' in result.stdout, result.stderr[-2000:]
+    check_drawn_in_steps(result.stdout, trained)
+
+
+# A page that renders the tab and clicks the switch to optimizer steps,
+# served beside the plugin's own files (`ClickingProxy`).
+_CLICK_PAGE = b"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8" />
+<link rel="stylesheet" href="style.css" data-staleness-style /></head>
+<body><script type="module">
+import { render } from "./index.js";
+await render();
+document.querySelector('.unit-switch button[data-unit="steps"]').click();
+</script></body></html>
+"""
+
+
+class ClickingProxy:
+    """Serves `_CLICK_PAGE` at `/click.html`, and everything else from the
+    plugin's routes of `server`, on a port of its own on 127.0.0.1."""
+
+    def __init__(self, server):
+        upstream = server.url + "data/plugin/staleness/"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the standard library's name
+                if self.path == "/click.html":
+                    status, kind, body = 200, "text/html", _CLICK_PAGE
+                else:
+                    try:
+                        with urllib.request.urlopen(upstream + self.path.lstrip("/")) as response:
+                            status, body = response.status, response.read()
+                            kind = response.headers["Content-Type"]
+                    except urllib.error.HTTPError as error:
+                        status, kind, body = error.code, "text/plain", error.read()
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self._http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}/"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def test_the_unit_switch_redraws_the_tab_in_optimizer_steps(served):
+    trained, server = served
+    proxy = ClickingProxy(server)
+    try:
+        result = run_chromium(proxy.url + "click.html", "--dump-dom")
+    finally:
+        proxy.close()
+    assert 'id="staleness-app"' in result.stdout, result.stderr[-2000:]
+    check_drawn_in_steps(result.stdout, trained)
+
+
+@pytest.mark.parametrize("run", ["one/staleness", "lost/staleness"])
+def test_a_run_without_optimizer_steps_shows_versions(served, run):
+    # One replica (every gradient a step), and a run written as before the
+    # step unit existed: no switch, whatever the page asks for.
+    _, server = served
+    page = server.url + f"data/plugin/staleness/index.html?run={run}&unit=steps"
+    dom = run_chromium(page, "--dump-dom").stdout
+    assert f'<option value="{run}" selected="">' in dom and 'class="message error"' not in dom
+    assert unit_switch(dom) is None
+    assert "optimizer steps" not in dom.split('<main class="content">')[1]
+    assert re.search(r'<canvas class="heatmap"[^>]*data-cells="[1-9]', dom)
 
 
 def test_tab_inside_tensorboard_screenshot(served, tmp_path):

@@ -1,5 +1,7 @@
 """Staleness statistics are plain arithmetic on counters."""
 
+import dataclasses
+
 import numpy as np
 
 from tf_diffmap.staleness import StalenessStats
@@ -46,3 +48,26 @@ def test_text_and_dict_name_every_replica():
 def test_work_share_counts_dropped_updates_as_work():
     stats = make([2, 6], [0, 0], [0, 0], dropped=[2, 0])
     np.testing.assert_allclose(stats.work_share, [0.4, 0.6])
+
+
+def test_difference_from_before_the_store_aggregated_counts_its_steps():
+    # `Strategy.statistics()` before the first traced step has no steps: the
+    # store had applied none, so the difference keeps the unit of steps.
+    zeros = np.zeros(2, np.int64)
+    before = dataclasses.replace(
+        make([0, 0], [0, 0], [0, 0]),
+        step_staleness_sum=zeros,
+        step_staleness_max=zeros,
+        step_histogram=np.zeros((2, 4), np.int64),
+    )
+    after = dataclasses.replace(
+        make([4, 4], [6, 6], [3, 3]),
+        steps=2,
+        step_staleness_sum=np.array([1, 3]),
+        step_staleness_max=np.array([1, 1]),
+        step_histogram=np.array([[3, 1, 0, 0], [1, 3, 0, 0]]),
+    )
+    delta = after.since(before)
+    assert delta.aggregated and delta.steps == 2 and delta.gradients_per_step == 4.0
+    np.testing.assert_allclose(delta.mean_step_staleness, [0.25, 0.75])
+    assert not before.since(before).aggregated

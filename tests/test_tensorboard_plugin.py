@@ -313,13 +313,13 @@ def test_hand_encoded_events_are_what_the_protocol_buffers_say(tmp_path):
     from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.compat.proto import summary_pb2, tensor_pb2, types_pb2
 
+    from tf_diffmap.tensorboard_plugin.encoding import Series
     from tf_diffmap.tensorboard_plugin.event_file import EventFile
-    from tf_diffmap.tensorboard_plugin.summary import _Series
 
     meta = summary_pb2.SummaryMetadata(
         summary_description="d", plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="p")
     )
-    scalar, matrix = _Series("a/scalar", meta), _Series("a/matrix", meta)
+    scalar, matrix = Series("a/scalar", meta), Series("a/matrix", meta)
     events = EventFile(tmp_path)
     points = [
         (0, 1.5, np.arange(6.0).reshape(2, 3)),
@@ -351,6 +351,38 @@ def test_hand_encoded_events_are_what_the_protocol_buffers_say(tmp_path):
         assert event.step == step and abs(event.wall_time - time.time()) < 60
         assert event.summary == expected, (event.summary, expected)
     assert np.isinf(records[2].summary.value[0].tensor.float_val[0])
+
+
+def test_scalars_encoded_in_blocks_are_the_scalars_encoded_one_by_one():
+    """`ScalarBlocks` fills templates of bytes with NumPy: the bytes of
+    `Series.scalar` of each present slot, in order, whatever the points
+    have (three sets of slots among five points, and floats beyond float32)."""
+    from tensorboard.compat.proto import summary_pb2
+
+    from tf_diffmap.tensorboard_plugin.encoding import ScalarBlocks, Series
+
+    meta = summary_pb2.SummaryMetadata(summary_description="d")
+
+    def series():
+        made = [Series(f"s/{n}/replica_{n % 3}", meta) for n in range(12)]
+        for one in made:
+            one.scalar(0.0)  # the first value, with the metadata
+        return [*made[:5], None, *made[5:]]
+
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(5, 13)) * 10.0 ** rng.integers(-3, 5, size=(5, 13))
+    values[1, 2], values[3, 4] = 1e39, -1e40
+    present = np.ones((5, 13), bool)
+    present[:, 5] = False  # a slot without series is never present
+    present[[1, 3], 7] = False
+    present[4, :] = False
+    present[4, 0] = True
+    blocks = ScalarBlocks(series()).encode(values, present)
+    reference = series()
+    for k in range(5):
+        expected = b"".join(reference[j].scalar(values[k, j]) for j in range(13) if present[k, j])
+        assert blocks[k] == expected, k
+    assert ScalarBlocks(series()).encode(values[:0], present[:0]) == []
 
 
 def test_data_functions_read_what_the_writer_wrote(tmp_path):
@@ -405,6 +437,7 @@ def test_data_functions_read_what_the_writer_wrote(tmp_path):
     assert heat == {
         "run": run,
         "replica": "all",
+        "unit": "versions",
         "steps": [1, 2],
         "counts": [[3, 1], [1, 1, 0, 2]],
         "overflow": bins - 1,
@@ -414,6 +447,126 @@ def test_data_functions_read_what_the_writer_wrote(tmp_path):
         data.run_series(provider, ctx, "", "elsewhere", downsample=10)
     with pytest.raises(errors.InvalidArgumentError, match="0 to 1"):
         data.heatmap(provider, ctx, "", run, 2, downsample=10)
+
+
+def served_in_process(logdir: Path):
+    """TensorBoard's data provider on `logdir`, loaded, and a request context."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider as multiplexer_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = multiplexer_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    return provider, context.RequestContext()
+
+
+def write_run(run_dir: Path, histograms, step_histograms=None, info=None):
+    """A batch-level run of 2 replicas, a point per histogram, in optimizer
+    steps too where `step_histograms` are given (2 steps per point)."""
+    from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
+
+    bins = len(histograms[0][0])
+    aggregated = step_histograms is not None
+    devices = ("/device:CPU:0", "/device:CPU:1")
+    info = info or metadata.RunInfo(
+        2, devices, bins, "batch", gradients_per_step=2 if aggregated else None
+    )
+    writer = StalenessSummaryWriter(run_dir, info, rules=False)
+    for step, histogram in enumerate(histograms, start=1):
+        histogram = np.array(histogram)
+        in_steps = {}
+        if aggregated:
+            counts = np.array(step_histograms[step - 1])
+            in_steps = dict(
+                steps=2,
+                step_histogram=counts,
+                step_staleness_sum=(counts * np.arange(bins)).sum(axis=1),
+                step_staleness_max=np.zeros(2, np.int64),
+            )
+        writer.write(
+            step,
+            tf_diffmap.StalenessStats(
+                version=step * 4,
+                updates=histogram.sum(axis=1),
+                dropped=np.zeros(2, np.int64),
+                staleness_sum=(histogram * np.arange(bins)).sum(axis=1),
+                staleness_max=np.zeros(2, np.int64),
+                histogram=histogram,
+                examples=histogram.sum(axis=1) * 8,
+                **in_steps,
+            ),
+            version=step * 4,
+            seconds=0.5,
+            optimizer_steps=2 * step if aggregated else None,
+        )
+    writer.close()
+
+
+def test_both_units_are_served_where_the_store_aggregated(tmp_path):
+    from tensorboard import errors
+
+    from tf_diffmap.tensorboard_plugin import data
+
+    histograms = [[[3, 1, 0, 0], [0, 0, 0, 0]], [[0, 0, 0, 2], [1, 1, 0, 0]]]
+    in_steps = [[[4, 0, 0, 0], [0, 0, 0, 0]], [[0, 2, 0, 0], [2, 0, 0, 0]]]
+    write_run(tmp_path / "run" / metadata.RUN_NAME, histograms, in_steps)
+    provider, ctx = served_in_process(tmp_path)
+    run = f"run/{metadata.RUN_NAME}"
+    (listed,) = data.list_runs(provider, ctx, "")
+    assert listed["gradients_per_step"] == 2
+    body = data.run_series(provider, ctx, "", run, downsample=1000)
+    assert body["series"][metadata.STEP_MEAN]["0"] == [[1, 0.0], [2, 1.0]]
+    assert body["series"][metadata.STEP_MEAN]["all"] == [[1, 0.0], [2, 0.5]]
+    assert body["series"][metadata.STEP_MAX]["all"] == [[1, 0.0], [2, 1.0]]
+    assert body["series"][metadata.MEAN]["0"] == [[1, 0.25], [2, 3.0]]  # versions, as ever
+    assert body["optimizer_steps"] == [[1, 2.0], [2, 4.0]]
+    assert body["gradients_per_step"] == [[1, 2.0], [2, 2.0]]
+    assert body["totals"]["step_staleness_sum"] == [2.0, 0.0]
+    assert body["totals"]["step_staleness_max"] == [1.0, 0.0]
+    heat = data.heatmap(provider, ctx, "", run, None, downsample=500, unit="steps")
+    assert heat["unit"] == "steps" and heat["steps"] == [1, 2]
+    assert heat["counts"] == [[4], [2, 2]]
+    # Replica 1 had no update at step 1: no column there.
+    one = data.heatmap(provider, ctx, "", run, 1, 500, "steps")
+    assert one["steps"] == [2] and one["counts"] == [[2]]
+    with pytest.raises(errors.InvalidArgumentError, match="unit must be one of 'versions'"):
+        data.heatmap(provider, ctx, "", run, None, downsample=500, unit="seconds")
+
+
+def test_a_run_written_before_the_step_unit_still_loads(tmp_path, monkeypatch):
+    """A run as the callback wrote it before the staleness in optimizer
+    steps: no step series, and a run description without
+    `gradients_per_step`."""
+    from tf_diffmap.tensorboard_plugin import data
+
+    def old_description(info: metadata.RunInfo) -> bytes:
+        payload = {
+            "num_replicas": info.num_replicas,
+            "devices": list(info.devices),
+            "histogram_bins": info.histogram_bins,
+            "step_unit": info.step_unit,
+            "rule": info.rule,
+            "format_version": 1,
+        }
+        return json.dumps(payload, sort_keys=True).encode("utf-8")
+
+    monkeypatch.setattr(metadata.RunInfo, "to_bytes", old_description)
+    write_run(tmp_path / "old" / metadata.RUN_NAME, [[[3, 1, 0, 0], [0, 2, 0, 0]]])
+    monkeypatch.undo()
+    provider, ctx = served_in_process(tmp_path)
+    run = f"old/{metadata.RUN_NAME}"
+    (listed,) = data.list_runs(provider, ctx, "")
+    assert listed["num_replicas"] == 2 and listed["gradients_per_step"] is None
+    body = data.run_series(provider, ctx, "", run, downsample=1000)
+    assert body["optimizer_steps"] == [] and body["gradients_per_step"] == []
+    assert metadata.STEP_MEAN not in body["series"]
+    assert set(body["totals"]) == {*metadata.TOTALS_COLUMNS, "step", "wall_time"}
+    assert body["series"][metadata.MEAN]["all"] == [[1, 0.5]]
+    # The distribution in versions as before; in steps, none.
+    assert data.heatmap(provider, ctx, "", run, None, 500)["counts"] == [[3, 3]]
+    assert data.heatmap(provider, ctx, "", run, None, 500, "steps")["steps"] == []
 
 
 def test_lost_replicas_are_a_series_of_their_own(tmp_path):
@@ -489,7 +642,7 @@ def test_custom_scalars_layout_puts_replicas_in_one_chart(served):
     (regex,) = [
         chart["multiline"]["tag"][0]
         for chart in category["chart"]
-        if chart["title"].startswith("Mean staleness")
+        if chart["title"] == "Mean staleness per replica"
     ]
     query = urllib.parse.urlencode({"run": metadata.RUN_NAME, "tag": regex})
     chart = server.get_json(f"data/plugin/custom_scalars/scalars?{query}")
@@ -524,6 +677,17 @@ def test_runs_and_series_match_the_strategy(served):
     assert [step for step, _ in updates["all"]] == trained.steps
     assert set(body["series"]) >= {metadata.MEAN, metadata.MAX, metadata.SHARE}
     assert metadata.DROPPED not in body["series"]  # no AsyncOptimizer rule in this run
+    # Four replicas aggregate four gradients to an optimizer step: both units.
+    assert stats.aggregated and run["gradients_per_step"] == REPLICAS
+    assert body["totals"]["step_staleness_sum"] == stats.step_staleness_sum.tolist()
+    assert body["totals"]["step_staleness_max"] == stats.step_staleness_max.tolist()
+    assert [step for step, _ in body["optimizer_steps"]] == trained.steps
+    assert body["optimizer_steps"][-1][1] == stats.steps
+    assert {metadata.STEP_MEAN, metadata.STEP_MAX} <= set(body["series"])
+    assert [s for s, _ in body["series"][metadata.STEP_MEAN]["all"]] == trained.steps
+    # One replica: each gradient is a step, and only versions are written.
+    one = server.get_json("data/plugin/staleness/series?run=one/staleness")
+    assert one["optimizer_steps"] == [] and metadata.STEP_MEAN not in one["series"]
 
 
 def test_heatmap_holds_every_staleness_count(served):
@@ -540,6 +704,15 @@ def test_heatmap_holds_every_staleness_count(served):
         one["replica"] == 0
         and sum(map(sum, one["counts"])) == trained.statistics.histogram[0].sum()
     )
+    # In optimizer steps: the same updates, counted by the steps they missed.
+    steps = server.get_json(
+        f"data/plugin/staleness/heatmap?run={metadata.RUN_NAME}&replica=all&unit=steps"
+    )
+    assert steps["unit"] == "steps" and steps["steps"] == heat["steps"]
+    total = np.zeros(trained.statistics.step_histogram.shape[1])
+    for column in steps["counts"]:
+        total[: len(column)] += column
+    np.testing.assert_array_equal(total, trained.statistics.step_histogram.sum(axis=0))
 
 
 @pytest.mark.parametrize(
@@ -549,6 +722,7 @@ def test_heatmap_holds_every_staleness_count(served):
         ("series?run=nowhere", 404, "no staleness data in run 'nowhere'"),
         (f"heatmap?run={metadata.RUN_NAME}&replica=one", 400, "replica must be 'all'"),
         (f"heatmap?run={metadata.RUN_NAME}&replica={REPLICAS}", 400, "0 to 3"),
+        (f"heatmap?run={metadata.RUN_NAME}&unit=seconds", 400, "unit must be one of"),
     ],
 )
 def test_bad_queries_say_what_was_wrong(served, query, status, message):
@@ -564,6 +738,7 @@ def test_bad_queries_say_what_was_wrong(served, query, status, message):
         ("runs", "application/json"),
         (f"series?run={metadata.RUN_NAME}", "application/json"),
         (f"heatmap?run={metadata.RUN_NAME}", "application/json"),
+        (f"heatmap?run={metadata.RUN_NAME}&unit=steps", "application/json"),
         ("index.js", "text/javascript"),
         ("charts.js", "text/javascript"),
         ("style.css", "text/css"),

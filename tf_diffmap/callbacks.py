@@ -36,7 +36,20 @@ __all__ = ["StalenessTensorBoard"]
 _logger = logging.getLogger("tf_diffmap")
 
 
-_COUNTS = ("updates", "dropped", "staleness_sum", "histogram", "examples", "lr_scale_sum")
+_COUNTS = (
+    "updates",
+    "dropped",
+    "staleness_sum",
+    "histogram",
+    "examples",
+    "lr_scale_sum",
+    "step_staleness_sum",
+    "step_histogram",
+    "steps",
+)
+# Counts that `Strategy.reset_statistics()` zeroes (the store's optimizer
+# steps go on counting).
+_RESET = tuple(name for name in _COUNTS if name != "steps")
 
 
 def _intervals(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
@@ -49,24 +62,32 @@ def _intervals(now: StalenessStats, before: StalenessStats | None) -> StalenessS
     Returns:
         The K intervals' counts (arrays `[K, ...]`); an interval whose
         counters went back (`Strategy.reset_statistics()` was called in
-        between) counts all of its snapshot's.
+        between) counts all of its snapshot's. `steps` is None unless `now`
+        counts optimizer steps; a `before` that did not (its store was not
+        aggregating yet) had applied none.
     """
     diffs = {}
     for name in _COUNTS:
         later = getattr(now, name)
         earlier = None if before is None else getattr(before, name)
-        if later is None or (before is not None and earlier is None):
+        if later is None or (before is not None and earlier is None and name != "steps"):
             diffs[name] = None
             continue
+        later = np.asarray(later)
         first = np.zeros_like(later[0]) if earlier is None else np.asarray(earlier)
         diffs[name] = np.diff(np.concatenate([first[None], later]), axis=0)
     went_back = (diffs["updates"] < 0).any(axis=1) | (diffs["dropped"] < 0).any(axis=1)
     went_back |= (diffs["histogram"] < 0).any(axis=(1, 2))
     if went_back.any():
-        for name, diff in diffs.items():
-            if diff is not None:
-                diff[went_back] = getattr(now, name)[went_back]
-    return StalenessStats(version=0, staleness_max=now.staleness_max, **diffs)
+        for name in _RESET:
+            if diffs[name] is not None:
+                diffs[name][went_back] = getattr(now, name)[went_back]
+    return StalenessStats(
+        version=0,
+        staleness_max=now.staleness_max,
+        step_staleness_max=now.step_staleness_max,
+        **diffs,
+    )
 
 
 def _interval(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
@@ -154,6 +175,12 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     - `work/updates/...`, `work/share/replica_<i>` and
       `work/examples_per_second/...`: the work each replica did;
     - `store/version`: the parameter store's version;
+    - where the store aggregates shard gradients into optimizer steps
+      (`tf_diffmap.Strategy(gradients_per_step=K)`, K > 1, the default
+      with several replicas), the staleness in optimizer steps beside the
+      staleness in versions: `staleness/steps/mean/...`,
+      `staleness/steps/max/...` and `staleness/steps/distribution/...`, with
+      `store/optimizer_steps` and `store/gradients_per_step`;
     - `rule/dropped/...` and `rule/lr_scale/...` when the model's
       `tf_diffmap.AsyncOptimizer` has an active rule;
     - a custom-scalars layout that puts every replica's line of a series in
@@ -249,6 +276,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._points = _Background("tf_diffmap-staleness-points")
         self._point_error: BaseException | None = None
         self._totals = None
+        self._step_totals = None
         self._snapshot: StalenessStats | None = None
         # Batches since the callback's first training; at this fit's start
         # (the steps of the graph's snapshots count from there) and at this
@@ -302,15 +330,19 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             histogram_bins=int(self._snapshot.histogram.shape[1]),
             step_unit="epoch" if self._every is None else "batch",
             rule=rule,
+            gradients_per_step=strategy.gradients_per_step
+            if strategy.gradients_per_step > 1
+            else None,
         )
         if self._totals is not None and self._totals.shape[0] != run_info.num_replicas:
-            self._totals = None
+            self._totals = self._step_totals = None
         self._writer = StalenessSummaryWriter(
             self.run_dir,
             run_info,
             rules=rule is not None,
             totals=self._totals,
             faults=strategy.extended.runtime.worker_hosts is not None,
+            step_totals=self._step_totals,
         )
         self._writer.write_layout()
         self._point_error = None
@@ -357,6 +389,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         if self._writer is None:
             return
         self._totals = self._writer.totals
+        self._step_totals = self._writer.step_totals
         self._writer.close()
         self._writer = None
         self._training = False
@@ -500,7 +533,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
                     break  # their batches count in the next point
                 # Points go in chunks, the fit's first alone (its cost is not
                 # known yet): the budget is checked between chunks.
-                size = len(due) if self.max_overhead is None else 1 if not self._point_cpu else 16
+                size = len(due) if self.max_overhead is None else 1 if not self._point_cpu else 64
                 chunk, due = due[:size], due[size:]
                 start = time.thread_time()
                 self._write_many(read, chunk, steps)
@@ -524,7 +557,12 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             self._start_interval(at)
             lost.append(self._lost_at(at))
         self._writer.write_many(
-            [int(steps[k]) for k in keep], intervals, read.versions[keep], np.array(seconds), lost
+            [int(steps[k]) for k in keep],
+            intervals,
+            read.versions[keep],
+            np.array(seconds),
+            lost,
+            None if read.optimizer_steps is None else read.optimizer_steps[keep],
         )
         last = keep[-1]
         self._snapshot = read.stats(last, before)
@@ -595,7 +633,12 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._replica_states = self._strategy().replica_states()
         seconds = self._seconds_to(at)
         self._writer.write(
-            step, _interval(now, self._snapshot), now.version, seconds, self._lost_at(at)
+            step,
+            _interval(now, self._snapshot),
+            now.version,
+            seconds,
+            self._lost_at(at),
+            now.steps,
         )
         self._snapshot = now
         self._last_point = step

@@ -5,7 +5,7 @@ need the store's counters as they are when a batch has been handed to the
 replicas. Reading them from Python at each batch costs eager ops and the
 interpreter lock while the replicas run; instead, while a callback asks for
 them, each training step of Keras' graph copies the counters into a ring of
-variables next to them (three reads and four scatters, run by TensorFlow's
+variables next to them (four reads and five scatters, run by TensorFlow's
 executor), and the callback's thread reads the new rows in bulk, one call for
 many points.
 
@@ -39,6 +39,9 @@ class Snapshots:
         indices: `[K]` each snapshot's index (see `CounterSnapshots.start`).
         times: `[K]` wall-clock time (seconds since the epoch) of each.
         versions: `[K]` the store version.
+        optimizer_steps: `[K]` the optimizer steps the store had applied,
+            where it aggregates gradients into steps; else None (every
+            update is a step of its own).
         counters: `[K, replicas, columns]` the store's per-replica counters.
         lr_scale_sums: `[K, replicas]` the store's learning-rate factor sums.
         lost: snapshots overwritten before they were read (their updates
@@ -52,6 +55,7 @@ class Snapshots:
     indices: np.ndarray
     times: np.ndarray
     versions: np.ndarray
+    optimizer_steps: np.ndarray | None
     counters: np.ndarray
     lr_scale_sums: np.ndarray
     lost: int
@@ -65,7 +69,7 @@ class Snapshots:
         """Snapshot k as `StalenessStats` (the columns of `like`'s store).
 
         With a list of snapshots `k`, every array has a leading dimension
-        for them (and `version` is the last one's).
+        for them (`steps` too), and `version` is the last one's.
         """
         return counters_as_stats(
             int(np.max(self.versions[k])),
@@ -73,6 +77,8 @@ class Snapshots:
             staleness_max=like.staleness_max,
             lr_scale_sum=self.lr_scale_sums[k],
             abandoned=like.abandoned,
+            steps=None if self.optimizer_steps is None else self.optimizer_steps[k],
+            step_staleness_max=like.step_staleness_max,
         )
 
 
@@ -125,6 +131,9 @@ class CounterSnapshots:
                 self.ring_versions = tf.Variable(
                     tf.zeros([capacity], tf.int64), trainable=False, name="snapshot_version"
                 )
+                self.ring_steps = tf.Variable(
+                    tf.zeros([capacity], tf.int64), trainable=False, name="snapshot_optimizer_steps"
+                )
                 self.ring_counters = tf.Variable(
                     tf.zeros([capacity, replicas, columns], tf.int64),
                     trainable=False,
@@ -163,15 +172,17 @@ class CounterSnapshots:
         with tf.device(self._host):
             # Every read before the first write: the row is one moment's.
             version = store.version.read_value()
+            steps = store.optimizer_steps.read_value()
             counters = store.counters.read_value()
             lr = store.lr_scale_sum.read_value()
             now = tf.timestamp()
             index = self.written.read_value()
             slot = tf.reshape(index % self.capacity, [1, 1])
-            with tf.control_dependencies([version, counters, lr, now]):
+            with tf.control_dependencies([version, steps, counters, lr, now]):
                 rows = [
                     self.ring_times.scatter_nd_update(slot, tf.reshape(now, [1])),
                     self.ring_versions.scatter_nd_update(slot, tf.reshape(version, [1])),
+                    self.ring_steps.scatter_nd_update(slot, tf.reshape(steps, [1])),
                     self.ring_counters.scatter_nd_update(slot, counters[tf.newaxis]),
                     self.ring_lr.scatter_nd_update(slot, lr[tf.newaxis]),
                 ]
@@ -221,7 +232,7 @@ class CounterSnapshots:
             self._gather = self._make_gather()
         # One call: while the replicas run, each eager op of this thread
         # costs about as much as the whole gather (measured in `fit`).
-        first, written, after, times, versions, counters, lr = (
+        first, written, after, times, versions, steps, counters, lr = (
             t.numpy() for t in self._gather(tf.constant(since, tf.int64))
         )
         first, written = int(first), int(written)
@@ -232,6 +243,7 @@ class CounterSnapshots:
             indices=np.arange(first, written, dtype=np.int64)[lapped:],
             times=times[lapped:],
             versions=versions[lapped:],
+            optimizer_steps=steps[lapped:] if self._store.aggregates else None,
             counters=counters[lapped:],
             lr_scale_sums=lr[lapped:],
             lost=(first - since) + lapped,
@@ -243,12 +255,15 @@ class CounterSnapshots:
         steps = int(self.steps.read_value())
         if steps <= since:
             nothing = np.zeros([0], np.int64)
-            return Snapshots(nothing, nothing * 1.0, nothing, nothing, nothing, 0, since, True)
+            return Snapshots(
+                nothing, nothing * 1.0, nothing, nothing, nothing, nothing, 0, since, True
+            )
         store = self._store
         return Snapshots(
             indices=np.array([steps - 1]),
             times=np.array([time.time()]),
             versions=store.version.numpy()[None],
+            optimizer_steps=store.optimizer_steps.numpy()[None] if store.aggregates else None,
             counters=store.counters.numpy()[None],
             lr_scale_sums=store.lr_scale_sum.numpy()[None],
             lost=0,
@@ -257,7 +272,13 @@ class CounterSnapshots:
         )
 
     def _make_gather(self):
-        variables = [self.ring_times, self.ring_versions, self.ring_counters, self.ring_lr]
+        variables = [
+            self.ring_times,
+            self.ring_versions,
+            self.ring_steps,
+            self.ring_counters,
+            self.ring_lr,
+        ]
         capacity = self.capacity
 
         def gather(since):

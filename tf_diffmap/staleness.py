@@ -208,9 +208,9 @@ class StalenessStats:
             if self.examples is None or earlier.examples is None
             else self.examples - earlier.examples,
             abandoned=self.abandoned - earlier.abandoned,
-            steps=None
-            if self.steps is None or earlier.steps is None
-            else self.steps - earlier.steps,
+            # An earlier snapshot without steps was taken before the store
+            # began to aggregate (its first traced step): it had applied none.
+            steps=None if self.steps is None else self.steps - (earlier.steps or 0),
             step_staleness_sum=_difference(self.step_staleness_sum, earlier.step_staleness_sum),
             step_staleness_max=self.step_staleness_max,
             step_histogram=_difference(self.step_histogram, earlier.step_histogram),

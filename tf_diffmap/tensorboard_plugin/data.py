@@ -5,7 +5,10 @@ dicts, so they are tested without a server. They read what
 `tf_diffmap.StalenessTensorBoard` writes (`metadata.py`): the scalars and
 histograms of the run, and the plugin's own `staleness/totals` tensor, whose
 last point gives exact whole-run totals however the other series are
-downsampled.
+downsampled. A run whose store aggregated gradients into optimizer steps
+also has the staleness in steps (and `staleness/step_totals`); one without
+them (written before they were, or by a store that takes a step per update)
+reads as it always did, in versions only.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tf_diffmap.tensorboard_plugin import metadata
 
-__all__ = ["list_runs", "run_series", "heatmap"]
+__all__ = ["list_runs", "run_series", "heatmap", "UNITS"]
 
 # Series a line chart can show, in the order the dashboard offers them.
 SCALAR_SERIES = (
     metadata.MEAN,
     metadata.MAX,
+    metadata.STEP_MEAN,
+    metadata.STEP_MAX,
     metadata.UPDATES,
     metadata.SHARE,
     metadata.EXAMPLES_PER_SECOND,
@@ -33,6 +38,17 @@ SCALAR_SERIES = (
     metadata.DROPPED,
     metadata.LR_SCALE,
 )
+
+# Store-level series, each a list of `[step, value]` of its own in `run_series`.
+STORE_SERIES = {
+    metadata.VERSION: "version",
+    metadata.OPTIMIZER_STEPS: "optimizer_steps",
+    metadata.GRADIENTS_PER_STEP: "gradients_per_step",
+}
+
+UNITS = {"versions": metadata.DISTRIBUTION, "steps": metadata.STEP_DISTRIBUTION}
+"""The staleness units `heatmap` reads: versions (every run), and optimizer
+steps (runs whose store aggregated gradients into steps)."""
 
 
 def _run_series(data_provider, ctx, experiment_id: str) -> dict[str, Any]:
@@ -92,6 +108,7 @@ def _info_json(info: metadata.RunInfo) -> dict[str, Any]:
         "histogram_bins": info.histogram_bins,
         "step_unit": info.step_unit,
         "rule": info.rule,
+        "gradients_per_step": info.gradients_per_step,
     }
 
 
@@ -101,27 +118,41 @@ def _totals(data_provider, ctx, experiment_id: str, run: str) -> dict[str, Any] 
         experiment_id=experiment_id,
         plugin_name=metadata.PLUGIN_NAME,
         downsample=1,  # the most recent point is always kept
-        run_tag_filter=provider.RunTagFilter(runs=[run], tags=[metadata.TOTALS]),
-    )
-    points = data.get(run, {}).get(metadata.TOTALS)
+        run_tag_filter=provider.RunTagFilter(
+            runs=[run], tags=[metadata.TOTALS, metadata.STEP_TOTALS]
+        ),
+    ).get(run, {})
+    points = data.get(metadata.TOTALS)
     if not points:
         return None
     last = points[-1]
-    table = np.asarray(last.numpy, dtype=np.float64).reshape(-1, len(metadata.TOTALS_COLUMNS))
-    totals = {name: table[:, i].tolist() for i, name in enumerate(metadata.TOTALS_COLUMNS)}
+    totals = _columns(last.numpy, metadata.TOTALS_COLUMNS)
     totals["step"] = int(last.step)
     totals["wall_time"] = float(last.wall_time)
+    steps = data.get(metadata.STEP_TOTALS)
+    if steps:
+        totals.update(_columns(steps[-1].numpy, metadata.STEP_TOTALS_COLUMNS))
     return totals
+
+
+def _columns(value, columns: tuple[str, ...]) -> dict[str, list[float]]:
+    """A totals tensor (one row per replica) as per-replica lists by column."""
+    table = np.asarray(value, dtype=np.float64).reshape(-1, len(columns))
+    return {name: table[:, i].tolist() for i, name in enumerate(columns)}
 
 
 def run_series(data_provider, ctx, experiment_id: str, run: str, downsample: int) -> dict[str, Any]:
     """Everything but the heat maps for one run.
 
     Returns:
-        `{"run", "info", "totals", "version", "series"}`: `series[name][key]`
-        is a list of `[step, value]` with `key` a replica id (as a string) or
-        `"all"`; `version` is the store version's `[step, value]` list;
-        `totals` the running totals at the last point (per-replica lists).
+        `{"run", "info", "totals", "version", "optimizer_steps",
+        "gradients_per_step", "series"}`: `series[name][key]` is a list of
+        `[step, value]` with `key` a replica id (as a string) or `"all"`;
+        `version`, `optimizer_steps` and `gradients_per_step` are the store's
+        `[step, value]` lists (the last two empty where the store took a
+        step per update); `totals` the running totals at the last point
+        (per-replica lists, with `step_staleness_sum` and
+        `step_staleness_max` where the run has the staleness in steps).
 
     Raises:
         tensorboard.errors.NotFoundError: the run has no staleness data.
@@ -135,11 +166,11 @@ def run_series(data_provider, ctx, experiment_id: str, run: str, downsample: int
         run_tag_filter=provider.RunTagFilter(runs=[run]),
     ).get(run, {})
     series: dict[str, dict[str, list]] = {name: {} for name in SCALAR_SERIES}
-    version = []
+    store: dict[str, list] = {key: [] for key in STORE_SERIES.values()}
     for tag, points in scalars.items():
         values = [[int(p.step), float(p.value)] for p in points]
-        if tag == metadata.VERSION:
-            version = values
+        if tag in STORE_SERIES:
+            store[STORE_SERIES[tag]] = values
             continue
         parsed = metadata.parse_tag(tag)
         if parsed is None or parsed[0] not in series:
@@ -150,7 +181,7 @@ def run_series(data_provider, ctx, experiment_id: str, run: str, downsample: int
         "run": run,
         "info": _info_json(info),
         "totals": _totals(data_provider, ctx, experiment_id, run),
-        "version": version,
+        **store,
         "series": {name: values for name, values in series.items() if values},
     }
 
@@ -162,30 +193,39 @@ def heatmap(
     run: str,
     replica: int | None,
     downsample: int,
+    unit: str = "versions",
 ) -> dict[str, Any]:
     """The staleness distribution of one replica (or all) over steps.
 
     Args:
         replica: a replica id, or None for all replicas together.
         downsample: at most this many steps (TensorBoard keeps the latest).
+        unit: `"versions"`, or `"steps"` for the staleness in optimizer
+            steps (no columns where the run has none).
 
     Returns:
-        `{"run", "replica", "steps", "counts", "overflow"}`: `counts[j][s]` is
-        how many updates of the interval ending at `steps[j]` had staleness
-        `s` (lists are trimmed after their last non-empty bin); staleness
-        `overflow` and above share the last bin of the strategy's histogram.
+        `{"run", "replica", "unit", "steps", "counts", "overflow"}`:
+        `counts[j][s]` is how many updates of the interval ending at
+        `steps[j]` had staleness `s` (lists are trimmed after their last
+        non-empty bin); staleness `overflow` and above share the last bin of
+        the strategy's histogram.
 
     Raises:
         tensorboard.errors.NotFoundError: the run has no staleness data.
-        tensorboard.errors.InvalidArgumentError: a replica the run did not have.
+        tensorboard.errors.InvalidArgumentError: a replica the run did not
+            have, or a unit not in `UNITS`.
     """
+    if unit not in UNITS:
+        raise errors.InvalidArgumentError(
+            f"unit must be one of {', '.join(map(repr, UNITS))}, received {unit!r}"
+        )
     info = _run_info(data_provider, ctx, experiment_id, run)
     if replica is not None and not 0 <= replica < info.num_replicas:
         raise errors.InvalidArgumentError(
             f"replica must be 'all' or 0 to {info.num_replicas - 1} for run {run!r}, "
             f"received {replica}"
         )
-    tag = metadata.tag(metadata.DISTRIBUTION, replica)
+    tag = metadata.tag(UNITS[unit], replica)
     data = data_provider.read_tensors(
         ctx,
         experiment_id=experiment_id,
@@ -207,6 +247,7 @@ def heatmap(
     return {
         "run": run,
         "replica": metadata.ALL if replica is None else replica,
+        "unit": unit,
         "steps": steps,
         "counts": counts,
         "overflow": info.histogram_bins - 1,

@@ -14,9 +14,22 @@ directory), with one tag per replica and series:
     rule/dropped/...  rule/lr_scale/...   (only when an AsyncOptimizer rule is active)
     staleness/totals                      (this plugin's own tensor)
 
+and, where the store aggregates shard gradients into optimizer steps
+(`Strategy(gradients_per_step=K)`, K > 1), the staleness in optimizer steps
+beside the staleness in versions:
+
+    staleness/steps/mean/...  staleness/steps/max/...     (scalars)
+    staleness/steps/distribution/...                      (histograms)
+    store/optimizer_steps  store/gradients_per_step       (scalars)
+    staleness/step_totals                 (this plugin's own tensor)
+
 `staleness/totals` holds the running totals per replica, so that the last
 point of the series gives exact whole-run figures however TensorBoard
 downsamples the others; its summary metadata carries the `RunInfo`.
+`staleness/step_totals` does the same for the staleness in optimizer steps.
+The step series came after the first format: a run without them (written
+before, or by a store that takes a step per update) reads as before, and a
+reader that does not know them ignores them, so the format version stays.
 
 This module imports nothing from TensorFlow, so TensorBoard and the tests
 read it cheaply.
@@ -45,6 +58,13 @@ __all__ = [
     "LR_SCALE",
     "TOTALS",
     "TOTALS_COLUMNS",
+    "STEP_MEAN",
+    "STEP_MAX",
+    "STEP_DISTRIBUTION",
+    "OPTIMIZER_STEPS",
+    "GRADIENTS_PER_STEP",
+    "STEP_TOTALS",
+    "STEP_TOTALS_COLUMNS",
     "LAYOUT_CATEGORY",
     "RunInfo",
     "tag",
@@ -82,6 +102,25 @@ TOTALS_COLUMNS = ("updates", "dropped", "examples", "staleness_sum", "staleness_
 began: updates applied and dropped, examples, the staleness summed over the
 applied updates (as `StalenessStats.staleness_sum`), and the largest staleness
 of any update (the `MAX` series' largest value)."""
+
+STEP_MEAN = "staleness/steps/mean"
+"""Per replica, the mean staleness of the interval's updates in optimizer
+steps: the steps applied between a gradient's read of the parameters and
+its push. Written where the store aggregates gradients into steps."""
+STEP_MAX = "staleness/steps/max"
+STEP_DISTRIBUTION = "staleness/steps/distribution"
+OPTIMIZER_STEPS = "store/optimizer_steps"
+"""The optimizer steps the store has applied (aggregating K gradients to a step)."""
+GRADIENTS_PER_STEP = "store/gradients_per_step"
+"""The interval's shard gradients (applied or dropped) per optimizer step
+applied in it; no value where the interval applied no step."""
+STEP_TOTALS = "staleness/step_totals"
+
+STEP_TOTALS_COLUMNS = ("step_staleness_sum", "step_staleness_max")
+"""Columns of the `STEP_TOTALS` tensor, one row per replica, since the
+callback began: the staleness in optimizer steps summed over the applied
+updates (as `StalenessStats.step_staleness_sum`), and the largest (the
+`STEP_MAX` series' largest value)."""
 
 LAYOUT_CATEGORY = "tf_diffmap: staleness"
 """Title of the custom-scalars category that the callback writes."""
@@ -123,6 +162,9 @@ class RunInfo:
         step_unit: `"epoch"` or `"batch"`: what the steps of the run count.
         rule: the AsyncOptimizer rule in use (e.g. `"inverse"`,
             `"drop (drop_above=8)"`), or None when none is active.
+        gradients_per_step: K, the shard gradients the store aggregates
+            into one optimizer step; None where every update is a step of
+            its own (and in runs written before it was recorded).
     """
 
     num_replicas: int
@@ -130,6 +172,7 @@ class RunInfo:
     histogram_bins: int
     step_unit: str
     rule: str | None = None
+    gradients_per_step: int | None = None
 
     def to_bytes(self) -> bytes:
         """The JSON that goes into the `TOTALS` summary's plugin content."""

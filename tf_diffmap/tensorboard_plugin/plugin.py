@@ -8,7 +8,8 @@ nothing from the network, and reads these JSON routes under
 
 - `runs`: the runs with staleness data, with their replicas and devices;
 - `series?run=R`: every scalar series of run R per replica, and its totals;
-- `heatmap?run=R&replica=all|i`: the staleness distribution over steps.
+- `heatmap?run=R&replica=all|i&unit=versions|steps`: the staleness
+  distribution over steps, in versions (the default) or optimizer steps.
 
 `index.html` serves the tab as a page of its own (the same module), for a
 browser pointed straight at it. Every response goes through TensorBoard's
@@ -137,6 +138,7 @@ class StalenessPlugin(base_plugin.TBPlugin):
             self._run(request),
             replica,
             downsample=self._histogram_points,
+            unit=request.args.get("unit", "versions"),
         )
         return http_util.Respond(request, body, "application/json")
 

@@ -8,18 +8,17 @@ file of its own (`event_file.py`).
 The values are the tensors `tf.summary.scalar` and `tf.summary.histogram`
 would write, with the same plugin metadata, so TensorBoard reads them as
 scalars and histograms; they are encoded in Python (the protocol buffer
-wire format, `_Series`) rather than with TensorFlow ops because a point per
-batch must cost little (see `event_file.py`). Writing needs no `tf.summary` state, so a recording
-condition left on by another callback (Keras' `TensorBoard` with an integer
-`update_freq`, tensorflow/tensorboard#4975) cannot drop these summaries.
+wire format, `encoding.py`) rather than with TensorFlow ops because a point
+per batch must cost little (see `event_file.py`). Writing needs no
+`tf.summary` state, so a recording condition left on by another callback
+(Keras' `TensorBoard` with an integer `update_freq`,
+tensorflow/tensorboard#4975) cannot drop these summaries.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import struct
 
 import numpy as np
 from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
@@ -30,7 +29,8 @@ from tensorboard.plugins.scalar import metadata as scalar_metadata
 
 from tf_diffmap.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
-from tf_diffmap.tensorboard_plugin.event_file import EventFile, field, varint
+from tf_diffmap.tensorboard_plugin.encoding import BUCKET_BYTES, ScalarBlocks, Series
+from tf_diffmap.tensorboard_plugin.event_file import EventFile
 
 __all__ = ["IntervalFigures", "interval_figures", "scalars_layout", "StalenessSummaryWriter"]
 
@@ -57,6 +57,15 @@ class IntervalFigures:
             when the strategy does not count examples or no time passed.
         dropped: updates dropped in the interval.
         lr_scale: mean learning-rate factor of the applied updates (0 where none).
+        step_mean, step_max, step_histogram: as `mean`, `max` and
+            `histogram`, with the staleness in optimizer steps; None where
+            the store takes a step per update (the staleness in steps is
+            then the staleness in versions).
+        optimizer_steps: the store's optimizer steps at the end of the
+            interval, where it aggregates gradients into steps (else None).
+        gradients_per_step: the interval's gradients (applied or dropped)
+            per optimizer step applied in it; None where it applied none,
+            or the store does not aggregate.
     """
 
     version: int
@@ -69,13 +78,20 @@ class IntervalFigures:
     examples_per_second: np.ndarray | None
     dropped: np.ndarray
     lr_scale: np.ndarray
+    step_mean: np.ndarray | None = None
+    step_max: np.ndarray | None = None
+    step_histogram: np.ndarray | None = None
+    optimizer_steps: int | None = None
+    gradients_per_step: float | None = None
 
 
 def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator > 0)
 
 
-def interval_figures(interval: StalenessStats, version: int, seconds: float) -> IntervalFigures:
+def interval_figures(
+    interval: StalenessStats, version: int, seconds: float, optimizer_steps: int | None = None
+) -> IntervalFigures:
     """The figures of a point from the counts of its interval.
 
     The staleness figures (mean, max, distribution) all come from the
@@ -88,17 +104,26 @@ def interval_figures(interval: StalenessStats, version: int, seconds: float) -> 
     taken with no update in flight (an epoch's end), with no update dropped
     and none in the last bin, the mean is `StalenessStats.mean_staleness`
     exactly; the other figures are always the arithmetic of `StalenessStats`
-    (`interval_max_staleness`, `work_share`, `mean_lr_scale`).
+    (`interval_max_staleness`, `work_share`, `mean_lr_scale`). The staleness
+    in optimizer steps is figured alike from `step_histogram`, where the
+    interval is aggregated (`interval.steps` is not None).
 
     Args:
         interval: the counts of the interval, e.g. `now.since(before)`.
         version: the store version at the end of the interval.
         seconds: the training time the interval took (without validation).
+        optimizer_steps: the store's optimizer steps at the end of the
+            interval, where it aggregates (`StalenessStats.steps`).
 
     Returns:
         An `IntervalFigures`.
     """
-    stack = interval_figures_many(_stacked(interval), np.array([version]), [float(seconds)])
+    stack = interval_figures_many(
+        _stacked(interval),
+        np.array([version]),
+        [float(seconds)],
+        None if optimizer_steps is None else np.array([optimizer_steps]),
+    )
     return stack.point(0)
 
 
@@ -115,6 +140,13 @@ def _stacked(interval: StalenessStats) -> StalenessStats:
         if interval.lr_scale_sum is None
         else np.asarray(interval.lr_scale_sum)[None],
         examples=None if interval.examples is None else np.asarray(interval.examples)[None],
+        steps=None if interval.steps is None else np.asarray(interval.steps)[None],
+        step_staleness_sum=None
+        if interval.step_staleness_sum is None
+        else np.asarray(interval.step_staleness_sum)[None],
+        step_histogram=None
+        if interval.step_histogram is None
+        else np.asarray(interval.step_histogram)[None],
     )
 
 
@@ -122,7 +154,11 @@ def _stacked(interval: StalenessStats) -> StalenessStats:
 class _Stack:
     """The figures of K points, every array with a leading dimension of K
     (see `IntervalFigures`); `histogram` is untrimmed, `bins[k]` the bins
-    point k shows, `examples_per_second[k]` None where `seconds[k]` <= 0."""
+    point k shows, `examples_per_second[k]` None where `seconds[k]` <= 0.
+    The step figures are None where the intervals are not aggregated;
+    `gradients_per_step[k]` counts only where `stepped[k]`. `histograms`
+    holds `histogram` and, after it, the steps' histogram (one array, so
+    that their buckets are made together)."""
 
     version: np.ndarray
     updates: np.ndarray
@@ -136,8 +172,14 @@ class _Stack:
     timed: np.ndarray
     dropped: np.ndarray
     lr_scale: np.ndarray
+    histograms: np.ndarray
+    steps: _Histograms | None = None
+    optimizer_steps: np.ndarray | None = None
+    gradients_per_step: np.ndarray | None = None
+    stepped: np.ndarray | None = None
 
     def point(self, k: int) -> IntervalFigures:
+        steps = self.steps
         return IntervalFigures(
             version=int(self.version[k]),
             updates=self.updates[k],
@@ -151,35 +193,88 @@ class _Stack:
             else self.examples_per_second[k],
             dropped=self.dropped[k],
             lr_scale=self.lr_scale[k],
+            step_mean=None if steps is None else steps.mean[k],
+            step_max=None if steps is None else steps.max[k],
+            step_histogram=None if steps is None else steps.histogram[k, :, : steps.bins[k]],
+            optimizer_steps=None if self.optimizer_steps is None else int(self.optimizer_steps[k]),
+            gradients_per_step=None
+            if self.stepped is None or not self.stepped[k]
+            else float(self.gradients_per_step[k]),
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Histograms:
+    """The staleness figures of K points in one unit, from their histograms:
+    per point, per replica and then for all (`[K, replicas + 1, ...]`)."""
+
+    histogram: np.ndarray  # untrimmed
+    bins: np.ndarray  # [K] the bins point k shows
+    claimed: np.ndarray
+    mean: np.ndarray
+    max: np.ndarray
+
+
+def _histograms(*units: np.ndarray) -> tuple[np.ndarray, list[_Histograms]]:
+    """The figures of K intervals' histograms `[K, replicas, bins]` in each
+    unit, computed together (NumPy's calls cost more than their work here).
+
+    Returns:
+        The histograms with their all-replica rows, `[units * K, replicas
+        + 1, bins]`, and each unit's `_Histograms` (views of it).
+    """
+    counts = np.concatenate(units) if len(units) > 1 else np.asarray(units[0])
+    points, replicas, width = counts.shape
+    histogram = np.empty((points, replicas + 1, width), np.int64)
+    histogram[:, :replicas] = counts
+    histogram[:, :replicas].sum(axis=1, out=histogram[:, replicas])
+    bins = np.arange(width)
+    largest = ((histogram > 0) * bins).max(axis=2)
+    claimed = histogram.sum(axis=2).astype(np.float64)
+    mean = _ratio((histogram @ bins).astype(np.float64), claimed)
+    maximum = largest.astype(np.float64)
+    k = points // len(units)
+    return histogram, [
+        _Histograms(
+            histogram=histogram[at : at + k],
+            bins=largest[at : at + k, -1] + 1,
+            claimed=claimed[at : at + k],
+            mean=mean[at : at + k],
+            max=maximum[at : at + k],
+        )
+        for at in range(0, points, k)
+    ]
+
+
 def interval_figures_many(
-    intervals: StalenessStats, versions: np.ndarray, seconds: np.ndarray
+    intervals: StalenessStats,
+    versions: np.ndarray,
+    seconds: np.ndarray,
+    optimizer_steps: np.ndarray | None = None,
 ) -> _Stack:
     """`interval_figures` of K intervals at once.
 
     Args:
         intervals: the counts of K intervals, each array with a leading
-            dimension of K (`[K, replicas]`, the histogram `[K, replicas,
-            bins]`).
+            dimension of K (`[K, replicas]`, the histograms `[K, replicas,
+            bins]`, `steps` `[K]`).
         versions: `[K]` the store version at the end of each.
         seconds: `[K]` the training time each took.
+        optimizer_steps: `[K]` the store's optimizer steps at the end of
+            each, where the intervals are aggregated.
 
     Returns:
         The K points' figures, stacked.
     """
     # Batch-level points come by the dozen from the callback's thread while
     # the replicas run: each NumPy call covers every point and replica.
-    counts = np.asarray(intervals.histogram, dtype=np.int64)
-    points, replicas, width = counts.shape
-    histogram = np.empty((points, replicas + 1, width), np.int64)
-    histogram[:, :replicas] = counts
-    counts.sum(axis=1, out=histogram[:, replicas])
-    bins = np.arange(width)
-    largest = ((histogram > 0) * bins).max(axis=2)
-    claimed = histogram.sum(axis=2).astype(np.float64)
-    mean = _ratio((histogram @ bins).astype(np.float64), claimed)
+    aggregated = intervals.steps is not None and intervals.step_histogram is not None
+    histograms, units = _histograms(
+        intervals.histogram, *([intervals.step_histogram] if aggregated else [])
+    )
+    versions_unit = units[0]
+    points, replicas = np.shape(intervals.updates)
+    claimed = versions_unit.claimed
     # Per replica then all together: updates, dropped, examples, lr factors.
     columns = np.zeros((points, replicas + 1, 4))
     columns[:, :replicas, 0] = intervals.updates
@@ -200,23 +295,36 @@ def interval_figures_many(
         examples_per_second = _ratio(
             columns[:, :, 2], np.broadcast_to(seconds[:, None], updates.shape)
         )
+    steps = stepped = gradients_per_step = None
+    if aggregated:
+        steps = units[1]
+        applied = np.asarray(intervals.steps, np.float64)
+        stepped = applied > 0
+        gradients_per_step = _ratio(claimed[:, -1], applied)
     return _Stack(
         version=np.asarray(versions, np.int64),
         updates=updates,
         claimed=claimed,
-        mean=mean,
-        max=largest.astype(np.float64),
-        histogram=histogram,
-        bins=largest[:, -1] + 1,
+        mean=versions_unit.mean,
+        max=versions_unit.max,
+        histogram=versions_unit.histogram,
+        bins=versions_unit.bins,
         share=share,
         examples_per_second=examples_per_second,
         timed=seconds > 0,
         dropped=dropped,
         lr_scale=lr_scale,
+        histograms=histograms,
+        steps=steps,
+        optimizer_steps=None
+        if steps is None or optimizer_steps is None
+        else np.asarray(optimizer_steps, np.int64),
+        gradients_per_step=gradients_per_step,
+        stepped=stepped,
     )
 
 
-def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
+def scalars_layout(rules: bool, faults: bool = False, steps: bool = False) -> layout_pb2.Layout:
     """The custom-scalars layout: every replica's line of a series in one chart.
 
     TensorBoard merges the layouts of all runs, dropping charts that are the
@@ -225,6 +333,8 @@ def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
     Args:
         rules: add the charts of an active AsyncOptimizer rule.
         faults: add the chart of lost replicas (training on a cluster).
+        steps: add the charts of the staleness in optimizer steps and of
+            the store's steps (a store that aggregates gradients into steps).
 
     Returns:
         A `layout_pb2.Layout` with one category, `metadata.LAYOUT_CATEGORY`.
@@ -248,6 +358,21 @@ def scalars_layout(rules: bool, faults: bool = False) -> layout_pb2.Layout:
             multiline=layout_pb2.MultilineChartContent(tag=[rf"^{metadata.VERSION}$"]),
         ),
     ]
+    if steps:
+        charts[2:2] = [
+            chart("Mean staleness in optimizer steps per replica", metadata.STEP_MEAN),
+            chart("Largest staleness in optimizer steps per replica", metadata.STEP_MAX),
+        ]
+        charts += [
+            layout_pb2.Chart(
+                title=title,
+                multiline=layout_pb2.MultilineChartContent(tag=[rf"^{series}$"]),
+            )
+            for title, series in (
+                ("Optimizer steps", metadata.OPTIMIZER_STEPS),
+                ("Gradients per optimizer step", metadata.GRADIENTS_PER_STEP),
+            )
+        ]
     if faults:
         charts.append(chart("Replicas lost (1 while lost)", metadata.LOST))
     if rules:
@@ -275,6 +400,17 @@ _DESCRIPTIONS = {
     metadata.VERSION: "Updates the parameter store has applied since it was created.",
     metadata.DROPPED: "Updates computed but not applied (staler than drop_above).",
     metadata.LR_SCALE: "Mean factor the staleness rule applied to the learning rate.",
+    metadata.STEP_MEAN: "Mean staleness in optimizer steps of the interval's updates "
+    "(applied or dropped): steps the store applied between the read of the parameters "
+    "a gradient was computed on and its push.",
+    metadata.STEP_MAX: "Largest staleness in optimizer steps of an update in the interval "
+    "(applied or dropped).",
+    metadata.STEP_DISTRIBUTION: "Staleness in optimizer steps of the interval's updates, "
+    "one bucket per staleness; the strategy's last bin counts that staleness and above.",
+    metadata.OPTIMIZER_STEPS: "Optimizer steps the parameter store has applied since it "
+    "was created, each on the mean of its shard gradients.",
+    metadata.GRADIENTS_PER_STEP: "Shard gradients (applied or dropped) per optimizer step "
+    "applied in the interval.",
 }
 
 
@@ -299,87 +435,50 @@ def histogram_buckets(counts: np.ndarray) -> np.ndarray:
     return buckets
 
 
-# A scalar's tensor up to its value: float32 (as `tf.summary.scalar`
-# writes; TensorBoard's data server takes no other scalar type), shape [],
-# one packed float (4 bytes) in `float_val`.
-_SCALAR_TENSOR = b"\x08" + varint(types_pb2.DT_FLOAT) + field(2, b"") + b"\x2a\x04"
-_DOUBLE_TENSOR = b"\x08" + varint(types_pb2.DT_DOUBLE)
-_BUCKET_BYTES = 3 * 8  # a histogram bucket: left edge, right edge, count
-_FLOAT = struct.Struct("<f")
-
-
-def _float32(number: float) -> bytes:
-    try:
-        return _FLOAT.pack(number)
-    except OverflowError:  # beyond float32: infinite, as a cast would make it
-        return _FLOAT.pack(math.copysign(math.inf, number))
-
-
-class _Series:
-    """One tag's values, each encoded as a `Summary`'s `value` field.
-
-    A point writes some forty values; each is the bytes of its tag (made once
-    per tag, and per shape of a matrix) followed by its number or content:
-    about a third of what filling protocol buffers cost. The first value of a
-    tag in an event file carries the tag's metadata, as TensorFlow's own
-    writer does: TensorBoard keeps the first it reads.
-    """
-
-    __slots__ = ("_tag", "_metadata", "_scalar", "_matrices")
-
-    def __init__(self, tag: str, summary_metadata: summary_pb2.SummaryMetadata):
-        self._tag = field(1, tag.encode())  # Value: tag 1, tensor 8, metadata 9
-        self._metadata = field(9, summary_metadata.SerializeToString())
-        self._scalar: bytes | None = None
-        self._matrices: dict[tuple[int, ...], bytes] = {}
-
-    def scalar(self, number: float) -> bytes:
-        """A scalar value (float32)."""
-        if self._scalar is None:
-            if self._metadata:
-                return self._first(_SCALAR_TENSOR + _float32(number))
-            self._scalar = self._until_last(_SCALAR_TENSOR, 4)
-        return self._scalar + _float32(number)
-
-    def matrix(self, content: bytes, shape: tuple[int, ...]) -> bytes:
-        """A float64 tensor value of `shape` (e.g. a histogram), from its
-        little-endian `content`."""
-        prefix = self._matrices.get(shape)
-        if prefix is None:
-            # TensorProto: dtype 1, tensor_shape 2 (its dims 2, each with
-            # size 1), tensor_content 4, last.
-            dims = b"".join(field(2, b"\x08" + varint(n) if n else b"") for n in shape)
-            tensor = _DOUBLE_TENSOR + field(2, dims) + b"\x22" + varint(len(content))
-            if self._metadata:
-                return self._first(tensor + content)
-            prefix = self._matrices[shape] = self._until_last(tensor, len(content))
-        return prefix + content
-
-    def _first(self, tensor: bytes) -> bytes:
-        value = field(1, self._tag + field(8, tensor) + self._metadata)
-        self._metadata = b""
-        return value
-
-    def _until_last(self, tensor: bytes, size: int) -> bytes:
-        """A value's encoding but its last `size` bytes (the tensor's number
-        or content, of that fixed size), without metadata."""
-        value = field(1, self._tag + field(8, tensor + bytes(size)))
-        return value[: len(value) - size]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Row:
     """The series of one replica (or of all replicas together) in a point."""
 
-    mean: _Series
-    max: _Series
-    distribution: _Series
-    updates: _Series
-    share: _Series | None
-    examples_per_second: _Series
-    dropped: _Series | None
-    lr_scale: _Series | None
-    lost: _Series
+    mean: Series
+    max: Series
+    distribution: Series
+    updates: Series
+    share: Series | None
+    examples_per_second: Series
+    dropped: Series | None
+    lr_scale: Series | None
+    lost: Series
+    step_mean: Series
+    step_max: Series
+    step_distribution: Series
+
+
+# A point's scalars per row, in the order they are written.
+_ROW_SCALARS = (
+    "mean",
+    "max",
+    "step_mean",
+    "step_max",
+    "updates",
+    "share",
+    "examples_per_second",
+    "dropped",
+    "lr_scale",
+    "lost",
+)
+# The store's scalars, in that order.
+_STORE_SCALARS = (metadata.VERSION, metadata.OPTIMIZER_STEPS, metadata.GRADIENTS_PER_STEP)
+
+
+def _totals_of(
+    totals: np.ndarray | None, run_info: metadata.RunInfo, columns: tuple[str, ...], name: str
+) -> np.ndarray:
+    """Running totals to continue from (zeros for None), checked."""
+    shape = (run_info.num_replicas, len(columns))
+    out = np.zeros(shape) if totals is None else np.array(totals, np.float64)
+    if out.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, received {out.shape}.")
+    return out
 
 
 class StalenessSummaryWriter:
@@ -393,9 +492,16 @@ class StalenessSummaryWriter:
             e.g. those of an earlier writer of the same run; zeros by default.
         faults: the run trains on a cluster, where replicas may be lost: the
             layout gets a chart of them.
+        step_totals: the running totals of the staleness in optimizer steps
+            to continue from (`[replicas, len(STEP_TOTALS_COLUMNS)]`).
+
+    The staleness in optimizer steps, the store's steps and `STEP_TOTALS`
+    are written for the points whose interval is aggregated (its `steps`
+    is not None), and the layout has their charts where `run_info` says the
+    store aggregates (`gradients_per_step`).
 
     Raises:
-        ValueError: `totals` of the wrong shape.
+        ValueError: `totals` or `step_totals` of the wrong shape.
     """
 
     def __init__(
@@ -405,16 +511,17 @@ class StalenessSummaryWriter:
         rules: bool,
         totals: np.ndarray | None = None,
         faults: bool = False,
+        step_totals: np.ndarray | None = None,
     ):
         self.run_info = run_info
         self.rules = rules
         self.faults = faults
-        shape = (run_info.num_replicas, len(metadata.TOTALS_COLUMNS))
-        self.totals = np.zeros(shape) if totals is None else np.array(totals, np.float64)
-        if self.totals.shape != shape:
-            raise ValueError(f"totals must have shape {shape}, received {self.totals.shape}.")
+        self.totals = _totals_of(totals, run_info, metadata.TOTALS_COLUMNS, "totals")
+        self.step_totals = _totals_of(
+            step_totals, run_info, metadata.STEP_TOTALS_COLUMNS, "step_totals"
+        )
         self._file = EventFile(log_dir)
-        self._series: dict[tuple[str, int | None | str], _Series] = {}
+        self._series: dict[tuple[str, int | None | str], Series] = {}
         # One row of series per replica, then one for all replicas (None).
         self._rows = [
             _Row(
@@ -427,37 +534,54 @@ class StalenessSummaryWriter:
                 dropped=self._get(metadata.DROPPED, r) if rules else None,
                 lr_scale=self._get(metadata.LR_SCALE, r) if rules else None,
                 lost=self._get(metadata.LOST, r),
+                step_mean=self._get(metadata.STEP_MEAN, r),
+                step_max=self._get(metadata.STEP_MAX, r),
+                step_distribution=self._get(metadata.STEP_DISTRIBUTION, r),
             )
             for r in [*range(run_info.num_replicas), None]
         ]
-        self._version = self._get(metadata.VERSION, "")
         self._totals = self._get(metadata.TOTALS, "")
+        self._step_totals = self._get(metadata.STEP_TOTALS, "")
+        # A point's scalars: each row's (`_ROW_SCALARS`), then the store's,
+        # as a last row's first slots.
+        store = [self._get(series, "") for series in _STORE_SCALARS]
+        self._scalars = ScalarBlocks(
+            [getattr(row, name) for row in self._rows for name in _ROW_SCALARS]
+            + store
+            + [None] * (len(_ROW_SCALARS) - len(store))
+        )
 
     @property
     def path(self) -> str:
         """The event file."""
         return self._file.path
 
-    def _get(self, series: str, replica: int | None | str) -> _Series:
+    def _get(self, series: str, replica: int | None | str) -> Series:
         found = self._series.get((series, replica))
         if found is None:
             tag = series if replica == "" else metadata.tag(series, replica)
-            if series == metadata.DISTRIBUTION:
+            if series in (metadata.DISTRIBUTION, metadata.STEP_DISTRIBUTION):
                 meta = histogram_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
                 meta.data_class = summary_pb2.DATA_CLASS_TENSOR
-            elif series == metadata.TOTALS:
+            elif series in (metadata.TOTALS, metadata.STEP_TOTALS):
+                columns = (
+                    metadata.TOTALS_COLUMNS
+                    if series == metadata.TOTALS
+                    else metadata.STEP_TOTALS_COLUMNS
+                )
                 meta = summary_pb2.SummaryMetadata(
-                    summary_description="Running totals per replica: "
-                    + ", ".join(metadata.TOTALS_COLUMNS),
+                    summary_description="Running totals per replica: " + ", ".join(columns),
                     plugin_data=summary_pb2.SummaryMetadata.PluginData(
-                        plugin_name=metadata.PLUGIN_NAME, content=self.run_info.to_bytes()
+                        plugin_name=metadata.PLUGIN_NAME,
+                        # The run's description rides on TOTALS alone.
+                        content=self.run_info.to_bytes() if series == metadata.TOTALS else b"",
                     ),
                     data_class=summary_pb2.DATA_CLASS_TENSOR,
                 )
             else:
                 meta = scalar_metadata.create_summary_metadata(tag, _DESCRIPTIONS[series])
                 meta.data_class = summary_pb2.DATA_CLASS_SCALAR
-            found = self._series[series, replica] = _Series(tag, meta)
+            found = self._series[series, replica] = Series(tag, meta)
         return found
 
     def point(
@@ -466,6 +590,7 @@ class StalenessSummaryWriter:
         version: int,
         seconds: float,
         lost: np.ndarray | None = None,
+        optimizer_steps: int | None = None,
     ) -> bytes:
         """One point's values, an encoded `Summary` (and adds its counts to
         the totals).
@@ -476,6 +601,8 @@ class StalenessSummaryWriter:
             seconds: the training time since the previous point.
             lost: per replica, whether it was lost at this point; None
                 writes no `metadata.LOST` values.
+            optimizer_steps: the store's optimizer steps now, where the
+                interval is aggregated.
 
         Returns:
             The point's `Summary`, its values in an order that keeps each
@@ -483,16 +610,117 @@ class StalenessSummaryWriter:
             metadata, so write every point returned, in order.
         """
         intervals = _stacked(interval)
-        stack = interval_figures_many(intervals, np.array([version]), [float(seconds)])
+        stack = interval_figures_many(
+            intervals,
+            np.array([version]),
+            [float(seconds)],
+            None if optimizer_steps is None else np.array([optimizer_steps]),
+        )
         (summary,) = self._summaries(intervals, stack, [lost])
         return summary
 
     def _summaries(
         self, intervals: StalenessStats, stack: _Stack, lost: list[np.ndarray | None]
     ) -> list[bytes]:
-        """The `Summary` of each of K points (`point` of each, in order)."""
+        """The `Summary` of each of K points (`point` of each, in order):
+        a point's scalars (see `_scalar_slots`), then its matrices."""
+        points = len(stack.version)
+        scalars = self._scalars.encode(*self._scalar_slots(stack, lost))
+        totals = self._running_totals(intervals, stack)
+        # Point k's histogram of row i: its first bins[k] buckets of 3
+        # floats; the steps' histograms (if any) after the versions'.
+        buckets = np.ascontiguousarray(histogram_buckets(stack.histograms), dtype="<f8")
+        row_size = buckets[0, 0].nbytes
+        buckets = buckets.tobytes()
+        steps = stack.steps
+        rows = len(self._rows)
+        claimed, bins = stack.claimed.tolist(), stack.bins.tolist()
+        step_bins = None if steps is None else steps.bins.tolist()
+        summaries = []
+        for k in range(points):
+            values = [scalars[k]]
+            add = values.append
+            start = k * rows * row_size
+            for i, row in enumerate(self._rows):
+                if claimed[k][i] > 0:
+                    at = start + i * row_size
+                    size = bins[k] * BUCKET_BYTES
+                    add(row.distribution.matrix(buckets[at : at + size], (bins[k], 3)))
+                    if steps is not None:  # every update counts in both histograms
+                        at += rows * row_size * points
+                        size = step_bins[k] * BUCKET_BYTES
+                        content = buckets[at : at + size]
+                        add(row.step_distribution.matrix(content, (step_bins[k], 3)))
+            for series, (table, shape) in zip((self._totals, self._step_totals), totals):
+                size = len(table) // points
+                add(series.matrix(table[k * size : (k + 1) * size], shape))
+            summaries.append(b"".join(values))
+        return summaries
+
+    def _scalar_slots(
+        self, stack: _Stack, lost: list[np.ndarray | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The scalars of K points: `[K, slots]` values and whether each is
+        written, slots in the order of `self._scalars`: `_ROW_SCALARS` of
+        each row, then the store's.
+
+        A row's staleness where it had updates (applied or dropped), in
+        steps where the store aggregates; its share (a replica's row); its
+        examples per second where time passed; the rule's figures with a
+        rule (the learning-rate factor where updates were applied); whether
+        it was lost where that is known. The store's version, and where it
+        aggregates its optimizer steps, and its gradients per step where it
+        took a step.
+        """
+        points, rows = stack.updates.shape
+        kinds = len(_ROW_SCALARS)
+        # One call per figure: the store's scalars are a last row's.
+        values = np.zeros((points, rows + 1, kinds))
+        present = np.zeros((points, rows + 1, kinds), bool)
+        claimed = stack.claimed > 0
+        values[:, :rows, 0] = stack.mean
+        values[:, :rows, 1] = stack.max
+        present[:, :rows, 0:2] = claimed[:, :, None]
+        steps = stack.steps
+        if steps is not None:
+            values[:, :rows, 2] = steps.mean
+            values[:, :rows, 3] = steps.max
+            present[:, :rows, 2:4] = claimed[:, :, None]
+        values[:, :rows, 4] = stack.updates
+        values[:, : rows - 1, 5] = stack.share
+        present[:, :rows, 4] = True
+        present[:, : rows - 1, 5] = True
+        if stack.examples_per_second is not None:
+            values[:, :rows, 6] = stack.examples_per_second
+            present[:, :rows, 6] = stack.timed[:, None]
+        if self.rules:
+            values[:, :rows, 7] = stack.dropped
+            values[:, :rows, 8] = stack.lr_scale
+            present[:, :rows, 7] = True
+            present[:, :rows, 8] = stack.updates > 0
+        for k, replicas in enumerate(lost):
+            if replicas is not None:
+                values[k, : rows - 1, 9] = replicas
+                values[k, rows - 1, 9] = np.sum(replicas)
+                present[k, :rows, 9] = True
+        store = values[:, rows]
+        store[:, 0] = stack.version
+        present[:, rows, 0] = True
+        if steps is not None:
+            if stack.optimizer_steps is not None:
+                store[:, 1] = stack.optimizer_steps
+                present[:, rows, 1] = True
+            store[:, 2] = stack.gradients_per_step
+            present[:, rows, 2] = stack.stepped
+        return values.reshape(points, -1), present.reshape(points, -1)
+
+    def _running_totals(
+        self, intervals: StalenessStats, stack: _Stack
+    ) -> list[tuple[bytes, tuple[int, int]]]:
+        """The running totals at each of K points (and adds the intervals'
+        counts to them): `TOTALS`, and `STEP_TOTALS` where the store
+        aggregates, each as the bytes of K tables and a table's shape."""
         points, replicas = intervals.updates.shape
-        # The running totals at each point.
         added = np.zeros((points, replicas, len(metadata.TOTALS_COLUMNS)))
         added[:, :, 0] = intervals.updates
         added[:, :, 1] = intervals.dropped
@@ -504,56 +732,26 @@ class StalenessSummaryWriter:
             np.maximum(self.totals[:, 4], stack.max[:, :-1]), axis=0
         )
         self.totals = totals[-1].copy()
-        totals_shape = self.totals.shape
-        totals = np.ascontiguousarray(totals, dtype="<f8").tobytes()
-        totals_size = len(totals) // points
-
-        # Plain floats and bytes, made once for all K points: NumPy calls
-        # value by value would cost more than encoding the values.
-        claimed, mean = stack.claimed.tolist(), stack.mean.tolist()
-        largest, updates = stack.max.tolist(), stack.updates.tolist()
-        share, dropped = stack.share.tolist(), stack.dropped.tolist()
-        lr_scale, versions = stack.lr_scale.tolist(), stack.version.tolist()
-        timed = stack.timed.tolist()
-        eps = None if stack.examples_per_second is None else stack.examples_per_second.tolist()
-        # Point k's histogram of row i: its first bins[k] buckets of 3 floats.
-        buckets = np.ascontiguousarray(histogram_buckets(stack.histogram), dtype="<f8")
-        row_size = buckets[0, 0].nbytes
-        buckets = buckets.tobytes()
-        bins = stack.bins.tolist()
-        summaries = []
-        for k in range(points):
-            values = []
-            add = values.append
-            shape = (bins[k], 3)
-            start = k * len(self._rows) * row_size
-            for i, row in enumerate(self._rows):
-                if claimed[k][i] > 0:
-                    add(row.mean.scalar(mean[k][i]))
-                    add(row.max.scalar(largest[k][i]))
-                    at = start + i * row_size
-                    add(row.distribution.matrix(buckets[at : at + shape[0] * _BUCKET_BYTES], shape))
-                add(row.updates.scalar(updates[k][i]))
-                if row.share is not None:
-                    add(row.share.scalar(share[k][i]))
-                if eps is not None and timed[k]:
-                    add(row.examples_per_second.scalar(eps[k][i]))
-                if self.rules:
-                    add(row.dropped.scalar(dropped[k][i]))
-                    if updates[k][i] > 0:
-                        add(row.lr_scale.scalar(lr_scale[k][i]))
-                if lost[k] is not None:
-                    add(row.lost.scalar(float(lost[k][i] if i < replicas else np.sum(lost[k]))))
-            add(self._version.scalar(versions[k]))
-            add(self._totals.matrix(totals[k * totals_size : (k + 1) * totals_size], totals_shape))
-            summaries.append(b"".join(values))
-        return summaries
+        out = [(np.ascontiguousarray(totals, dtype="<f8").tobytes(), self.totals.shape)]
+        if stack.steps is not None:
+            added = np.zeros((points, *self.step_totals.shape))
+            added[:, :, 0] = intervals.step_staleness_sum
+            totals = self.step_totals + np.cumsum(added, axis=0)
+            totals[:, :, 1] = np.maximum.accumulate(
+                np.maximum(self.step_totals[:, 1], stack.steps.max[:, :-1]), axis=0
+            )
+            self.step_totals = totals[-1].copy()
+            step_table = np.ascontiguousarray(totals, dtype="<f8").tobytes()
+            out.append((step_table, self.step_totals.shape))
+        return out
 
     # -- what the callback calls ------------------------------------------
 
     def write_layout(self) -> None:
         """Writes the custom-scalars layout (once per writer is enough)."""
-        layout = scalars_layout(self.rules, self.faults)
+        layout = scalars_layout(
+            self.rules, self.faults, steps=self.run_info.gradients_per_step is not None
+        )
         value = summary_pb2.Summary.Value(
             tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,
             metadata=custom_scalar_metadata.create_summary_metadata(),
@@ -572,6 +770,7 @@ class StalenessSummaryWriter:
         version: int,
         seconds: float,
         lost: np.ndarray | None = None,
+        optimizer_steps: int | None = None,
     ) -> None:
         """Writes one point of every series.
 
@@ -581,8 +780,12 @@ class StalenessSummaryWriter:
             version: the store version now.
             seconds: the training time since the previous point.
             lost: per replica, whether it was lost at this point (see `point`).
+            optimizer_steps: the store's optimizer steps now, where the
+                interval is aggregated.
         """
-        self._file.write_encoded(self.point(interval, version, seconds, lost), step)
+        self._file.write_encoded(
+            self.point(interval, version, seconds, lost, optimizer_steps), step
+        )
 
     def write_many(
         self,
@@ -591,6 +794,7 @@ class StalenessSummaryWriter:
         versions: np.ndarray,
         seconds: np.ndarray,
         lost: list[np.ndarray | None] | None = None,
+        optimizer_steps: np.ndarray | None = None,
     ) -> None:
         """Writes K points at once: `write` for each, its figures computed
         for all of them together.
@@ -602,8 +806,10 @@ class StalenessSummaryWriter:
             versions: `[K]` the store version at each point.
             seconds: `[K]` the training time since each point's previous one.
             lost: per point, per replica, whether it was lost (or None).
+            optimizer_steps: `[K]` the store's optimizer steps at each
+                point, where the intervals are aggregated.
         """
-        stack = interval_figures_many(intervals, versions, seconds)
+        stack = interval_figures_many(intervals, versions, seconds, optimizer_steps)
         lost = [None] * len(steps) if lost is None else lost
         for step, summary in zip(steps, self._summaries(intervals, stack, lost), strict=True):
             self._file.write_encoded(summary, step)

@@ -323,10 +323,11 @@ function canvasFor(width, height, className) {
  * @param {HTMLElement} container where to draw (its content is replaced).
  * @param {object} options steps, counts (per step, counts of staleness
  *   0, 1, ...), overflow (the staleness whose bin also counts all above),
- *   xLabel, height.
+ *   xLabel, height, unit (what the staleness counts, e.g. "optimizer
+ *   steps", named on the axis and in the tooltip; none by default).
  */
 export function heatMap(container, options) {
-  const { steps, counts, overflow, xLabel = "step", height = 260 } = options;
+  const { steps, counts, overflow, xLabel = "step", height = 260, unit = null } = options;
   container.replaceChildren();
   container.classList.add("chart");
   if (steps.length === 0) {
@@ -423,11 +424,12 @@ export function heatMap(container, options) {
   context.translate(14, margin.top + plotHeight / 2);
   context.rotate(-Math.PI / 2);
   context.textBaseline = "middle";
-  context.fillText("staleness", 0, 0);
+  context.fillText(unit ? `staleness (${unit})` : "staleness", 0, 0);
   context.restore();
 
   canvas.dataset.columns = String(steps.length);
   canvas.dataset.cells = String(cells);
+  if (unit) canvas.dataset.unit = unit;
   container.append(canvas);
 
   const tip = tooltip(container);
@@ -448,7 +450,9 @@ export function heatMap(container, options) {
     const share = total ? ((100 * count) / total).toFixed(1) : "0";
     tip.show(event.clientX - bounds.left, event.clientY - bounds.top, [
       h("div", { text: `${xLabel} ${steps[j]}` }),
-      h("div", { text: `staleness ${s >= overflow ? "≥" + overflow : s}: ${count} updates (${share}%)` }),
+      h("div", {
+        text: `staleness ${s >= overflow ? "≥" + overflow : s}${unit ? ` ${unit}` : ""}: ${count} updates (${share}%)`,
+      }),
       h("div", { text: `mean staleness ${means[j] === null ? "–" : means[j].toFixed(2)}` }),
     ]);
   });

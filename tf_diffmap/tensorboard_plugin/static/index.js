@@ -25,7 +25,22 @@ const METRICS = [
   ["work/lost", "Replicas lost", "lost (1) or not (0)"],
   ["rule/dropped", "Dropped updates", "dropped updates"],
   ["rule/lr_scale", "Learning-rate scale", "learning-rate factor"],
+  ["store/gradients_per_step", "Gradients per optimizer step", "shard gradients per step"],
 ];
+
+// The units staleness is counted in: versions (updates claimed by others
+// between a gradient's read and its push), and, where the store aggregates
+// gradients into optimizer steps, the steps applied in between.
+const UNITS = {
+  versions: { label: "versions", unseen: "updates the gradient did not see" },
+  steps: { label: "optimizer steps", unseen: "optimizer steps the gradient did not see" },
+};
+
+// Each staleness series in versions, and the same in optimizer steps.
+const IN_STEPS = {
+  "staleness/mean": "staleness/steps/mean",
+  "staleness/max": "staleness/steps/max",
+};
 
 async function getJson(path) {
   const response = await fetch(path, { headers: { Accept: "application/json" } });
@@ -42,11 +57,12 @@ function shortDevice(device) {
 }
 
 function replicaLabel(key) {
+  if (key === "store") return "the store";
   return key === "all" ? "all replicas" : `replica ${key}`;
 }
 
 function colorOf(key) {
-  return key === "all" ? ALL_COLOR : replicaColor(Number(key));
+  return key === "all" || key === "store" ? ALL_COLOR : replicaColor(Number(key));
 }
 
 function sum(values) {
@@ -57,8 +73,12 @@ class StalenessApp {
   constructor(root) {
     this.root = root;
     this.runs = [];
-    // A page of its own can name its run: index.html?run=NAME.
-    this.run = new URLSearchParams(window.location.search).get("run");
+    // A page of its own can name its run and the staleness unit:
+    // index.html?run=NAME&unit=steps.
+    const query = new URLSearchParams(window.location.search);
+    this.run = query.get("run");
+    // The unit chosen; a run without the staleness in steps shows versions.
+    this.unit = query.get("unit") === "steps" ? "steps" : "versions";
     this.data = null;
     this.metric = METRICS[0][0];
     this.heatReplica = "all";
@@ -93,6 +113,14 @@ class StalenessApp {
       },
     });
     this.updated = h("span", { class: "updated" });
+    this.unitSwitch = h(
+      "span",
+      { class: "unit-switch", role: "group", "aria-label": "staleness unit", hidden: true },
+      "staleness in",
+      Object.entries(UNITS).map(([unit, { label }]) =>
+        h("button", { type: "button", "data-unit": unit, onclick: () => this.setUnit(unit), text: label }),
+      ),
+    );
     return h(
       "header",
       { class: "app-header" },
@@ -105,6 +133,7 @@ class StalenessApp {
         "div",
         { class: "controls" },
         this.updated,
+        this.unitSwitch,
         h("label", {}, "run ", this.runSelect),
         h("button", { type: "button", onclick: () => this.load(), text: "Reload" }),
       ),
@@ -132,19 +161,59 @@ class StalenessApp {
       this.runSelect.replaceChildren(
         ...runs.map((r) => h("option", { value: r.run, selected: r.run === this.run, text: r.run })),
       );
-      const query = `run=${encodeURIComponent(this.run)}`;
       const [series, heat] = await Promise.all([
-        getJson(`series?${query}`),
-        getJson(`heatmap?${query}&replica=${encodeURIComponent(this.heatReplica)}`),
+        getJson(`series?run=${encodeURIComponent(this.run)}`),
+        getJson(this.heatUrl(this.unit)),
       ]);
       this.data = series;
-      this.heat = heat;
+      // A run without the staleness in steps (written before it was, or
+      // by a store that takes a step per update) shows versions.
+      this.heat = heat.unit === this.shownUnit() ? heat : await getJson(this.heatUrl(this.shownUnit()));
       this.updated.textContent = `updated ${new Date().toLocaleTimeString()}`;
       this.draw();
     } catch (error) {
       if (quiet && this.data) return; // keep what is on screen; the next refresh retries
       this.data = null;
       this.showMessage("Could not load the staleness data.", String(error.message || error), true);
+    }
+  }
+
+  heatUrl(unit) {
+    const run = encodeURIComponent(this.run);
+    return `heatmap?run=${run}&replica=${encodeURIComponent(this.heatReplica)}&unit=${unit}`;
+  }
+
+  // Whether the run counts staleness in optimizer steps too.
+  hasSteps() {
+    return Boolean(this.data && this.data.series[IN_STEPS["staleness/mean"]]);
+  }
+
+  shownUnit() {
+    return this.hasSteps() ? this.unit : "versions";
+  }
+
+  // The data key of a series in the unit shown.
+  unitKey(key) {
+    return this.shownUnit() === "steps" && IN_STEPS[key] ? IN_STEPS[key] : key;
+  }
+
+  // A line chart's series by key (replicas, "all", or "store"), or null.
+  seriesData(key) {
+    if (key === "store/gradients_per_step") {
+      const points = this.data.gradients_per_step || [];
+      return points.length ? { store: points } : null;
+    }
+    return this.data.series[this.unitKey(key)] || null;
+  }
+
+  async setUnit(unit) {
+    if (unit === this.unit || !this.data) return;
+    this.unit = unit;
+    try {
+      this.heat = await getJson(this.heatUrl(this.shownUnit()));
+      this.draw();
+    } catch (error) {
+      this.showMessage("Could not load the heat map.", String(error.message || error), true);
     }
   }
 
@@ -162,7 +231,11 @@ class StalenessApp {
   draw() {
     const { info } = this.data;
     this.keys = [...Array(info.num_replicas).keys()].map(String).concat(["all"]);
-    const available = METRICS.filter(([key]) => this.data.series[key]);
+    this.unitSwitch.hidden = !this.hasSteps();
+    for (const button of this.unitSwitch.querySelectorAll("button")) {
+      button.setAttribute("aria-pressed", String(button.dataset.unit === this.shownUnit()));
+    }
+    const available = METRICS.filter(([key]) => this.seriesData(key));
     if (!available.some(([key]) => key === this.metric)) this.metric = available[0]?.[0];
 
     this.lineBox = h("div", { class: "line-box" });
@@ -187,9 +260,7 @@ class StalenessApp {
         onchange: async () => {
           this.heatReplica = heatSelect.value;
           try {
-            this.heat = await getJson(
-              `heatmap?run=${encodeURIComponent(this.run)}&replica=${encodeURIComponent(this.heatReplica)}`,
-            );
+            this.heat = await getJson(this.heatUrl(this.shownUnit()));
             this.drawHeat();
           } catch (error) {
             this.showMessage("Could not load the heat map.", String(error.message || error), true);
@@ -236,7 +307,7 @@ class StalenessApp {
           h(
             "div",
             { class: "panel-head" },
-            h("h2", { text: "Staleness distribution over steps" }),
+            h("h2", { text: "Staleness distribution over time" }),
             h("span", { class: "spacer" }),
             heatSelect,
           ),
@@ -265,13 +336,13 @@ class StalenessApp {
   cards() {
     const { info, totals, version } = this.data;
     const cards = [];
-    const card = (label, value, detail, warn = false) =>
+    const card = (label, value, detail, warn = false, unit = null) =>
       cards.push(
         h(
           "div",
           { class: warn ? "card warn" : "card" },
           h("div", { class: "label", text: label }),
-          h("div", { class: "value", text: value }),
+          h("div", { class: "value" }, value, unit ? h("span", { class: "unit", text: unit }) : null),
           detail ? h("div", { class: "detail", text: detail, title: detail }) : null,
         ),
       );
@@ -279,16 +350,49 @@ class StalenessApp {
     card("Replicas", String(info.num_replicas), devices.join(", "));
     const lastVersion = version.length ? version[version.length - 1][1] : null;
     card("Store version", formatNumber(lastVersion), `at ${info.step_unit} ${version.length ? version[version.length - 1][0] : "–"}`);
+    const steps = this.data.optimizer_steps || [];
+    if (steps.length) {
+      // Over the store's life, as its version: pushes per step applied.
+      const applied = steps[steps.length - 1][1];
+      const each = applied && lastVersion !== null ? ` · ${(lastVersion / applied).toFixed(1)} gradients each` : "";
+      card(
+        "Optimizer steps",
+        formatNumber(applied),
+        (info.gradients_per_step ? `K = ${info.gradients_per_step}` : "aggregated") + each,
+      );
+    }
     if (totals) {
       const updates = sum(totals.updates);
-      const mean = updates ? sum(totals.staleness_sum) / updates : 0;
-      const largest = Math.max(...totals.staleness_max);
       card("Updates applied", formatNumber(updates), "since training began");
-      card("Mean staleness", mean.toFixed(2), "updates the gradient did not see");
+      // The staleness in the unit shown, the other unit beside it.
+      const inSteps = this.hasSteps() && totals.step_staleness_sum !== undefined;
+      const figures = (unit) => {
+        const sums = unit === "steps" ? totals.step_staleness_sum : totals.staleness_sum;
+        const largest = unit === "steps" ? totals.step_staleness_max : totals.staleness_max;
+        return { mean: updates ? sum(sums) / updates : 0, largest: Math.max(...largest), maxima: largest };
+      };
+      const unit = inSteps ? this.shownUnit() : "versions";
+      const other = unit === "steps" ? "versions" : "steps";
+      const shown = figures(unit);
+      const beside = inSteps ? figures(other) : null;
+      const bounded = (value) =>
+        value >= info.histogram_bins - 1 ? `≥${info.histogram_bins - 1}` : formatNumber(value);
+      // Where the run has both units, each figure names its unit.
+      const unitLabel = beside ? UNITS[unit].label : null;
+      card(
+        "Mean staleness",
+        shown.mean.toFixed(2),
+        beside ? `${beside.mean.toFixed(2)} ${UNITS[other].label}` : UNITS[unit].unseen,
+        false,
+        unitLabel,
+      );
+      const where = `replica ${shown.maxima.indexOf(shown.largest)}`;
       card(
         "Largest staleness",
-        largest >= info.histogram_bins - 1 ? `≥${info.histogram_bins - 1}` : formatNumber(largest),
-        `replica ${totals.staleness_max.indexOf(largest)}`,
+        bounded(shown.largest),
+        beside ? `${where} · ${bounded(beside.largest)} ${UNITS[other].label}` : where,
+        false,
+        unitLabel,
       );
       const work = totals.updates.map((u, r) => u + totals.dropped[r]);
       const computed = sum(work);
@@ -334,9 +438,9 @@ class StalenessApp {
 
   drawLines() {
     const metric = METRICS.find(([key]) => key === this.metric);
-    const data = this.data.series[this.metric] || {};
+    const data = this.seriesData(this.metric) || {};
     const lostNow = new Set(this.lostReplicas().now.map(String));
-    const series = this.keys
+    const series = [...this.keys, "store"]
       .filter((key) => data[key])
       .map((key) => ({
         key,
@@ -347,13 +451,15 @@ class StalenessApp {
         width: key === "all" ? 2.2 : 1.6,
       }));
     const percent = this.metric === "work/share";
+    // Where the run has both units, a staleness chart names its own.
+    const unit = this.hasSteps() && IN_STEPS[this.metric] ? ` (${UNITS[this.shownUnit()].label})` : "";
     this.chart = lineChart(this.lineBox, {
       name: "over-time",
       series,
       hidden: this.hidden,
       xLabel: this.data.info.step_unit,
-      yLabel: metric ? metric[2] : "",
-      title: metric ? metric[1] : "",
+      yLabel: metric ? metric[2] + unit : "",
+      title: metric ? metric[1] + unit : "",
       height: 290,
       integerY: this.metric === "staleness/max" || this.metric === "work/updates",
       yFormat: percent ? (v) => `${(100 * v).toFixed(0)}%` : undefined,
@@ -388,7 +494,7 @@ class StalenessApp {
               : `background:${s.color}`,
           }),
           s.label,
-          s.key !== "all" ? h("span", { class: "device", text: shortDevice(info.devices[s.key]) }) : null,
+          info.devices[s.key] ? h("span", { class: "device", text: shortDevice(info.devices[s.key]) }) : null,
         );
         return item;
       }),
@@ -401,6 +507,7 @@ class StalenessApp {
       counts: this.heat.counts,
       overflow: this.heat.overflow,
       xLabel: this.data.info.step_unit,
+      unit: this.hasSteps() ? UNITS[this.heat.unit].label : null,
       height: 270,
     });
   }
@@ -415,9 +522,11 @@ class StalenessApp {
     const work = totals.updates.map((u, r) => u + totals.dropped[r]);
     const computed = sum(work);
     const even = 1 / info.num_replicas;
+    const inSteps = this.shownUnit() === "steps" && totals.step_staleness_sum !== undefined;
+    const sums = inSteps ? totals.step_staleness_sum : totals.staleness_sum;
     const rows = totals.updates.map((count, r) => {
       const share = computed ? work[r] / computed : 0;
-      const mean = count ? totals.staleness_sum[r] / count : null;
+      const mean = count ? sums[r] / count : null;
       return {
         label: `replica ${r}`,
         device: shortDevice(info.devices[r]),
@@ -426,6 +535,7 @@ class StalenessApp {
         text: [
           h("strong", { text: `${(100 * share).toFixed(1)}%` }),
           ` · ${formatNumber(count)} updates · mean staleness ${mean === null ? "–" : mean.toFixed(2)}`,
+          this.hasSteps() ? ` ${inSteps ? "steps" : "versions"}` : "",
           totals.dropped[r] ? ` · ${formatNumber(totals.dropped[r])} dropped` : "",
         ],
         badge: info.num_replicas > 1 && share < even / 2 ? "straggler" : null,
