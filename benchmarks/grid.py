@@ -357,7 +357,14 @@ def _strategy(variant: str, condition: dict):
 
     replicas = condition["replicas"]
     if variant == "sync":
-        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(sync_devices(condition))])
+        # Sums the replicas' gradients on one device: the same step as the
+        # collective all-reduce MirroredStrategy picks on CPUs, which cannot
+        # run a 2-replica and a 4-replica strategy in one process (their
+        # collective groups collide).
+        return tf.distribute.MirroredStrategy(
+            [f"/cpu:{i}" for i in range(sync_devices(condition))],
+            cross_device_ops=tf.distribute.ReductionToOneDevice(),
+        )
     devices = [f"/cpu:{i}" for i in range(min(replicas, DEVICES))]
     per_device = replicas // len(devices)
     kwargs: dict[str, Any] = {"devices": devices, "replicas_per_device": per_device}
