@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
-from tf_diffmap.accumulators import Accumulators
+from tf_diffmap.store.accumulators import Accumulators
 
 REPLICAS = 4
 
@@ -335,7 +335,7 @@ def test_an_unreachable_optimizer_is_named_in_a_warning():
         holder["optimizer"].apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    import tf_diffmap.aggregation as aggregation
+    import tf_diffmap.updates.aggregation as aggregation
 
     aggregation._warned_custom = False
     with pytest.warns(UserWarning, match="found no Keras optimizer"):

@@ -374,7 +374,7 @@ def test_skipped_float16_steps_claim_no_version(per_step):
 
 def test_loss_scale_is_read_once_per_replica_step():
     """Another replica may halve the scale between a step's two reads of it."""
-    from tf_diffmap.step import tracing_step
+    from tf_diffmap.updates.step import tracing_step
 
     strategy = tf_diffmap.Strategy()
     with strategy.scope():

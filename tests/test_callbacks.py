@@ -17,7 +17,7 @@ from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
 from tf_diffmap.callbacks import _interval
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
 from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter, interval_figures
 
@@ -368,7 +368,7 @@ def test_every_batch_has_its_point_with_steps_per_execution(tmp_path):
 def test_lost_replicas_are_marked_from_the_first_loss(tmp_path):
     # Replica 1's worker is "lost" during epoch 1 and back in epoch 2: the
     # strategy's own record of it, as the replicas' record on a cluster keeps it.
-    from tf_diffmap.replicas import ReplicaReport
+    from tf_diffmap.engine.replicas import ReplicaReport
 
     x, y = classification_data(n=256)
     strategy, model = slowed_model(seconds=0.0)

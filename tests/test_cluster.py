@@ -77,7 +77,7 @@ CLIENT = textwrap.dedent(
         model.fit(x, y, batch_size=32, epochs=3, verbose=0)
         after = model.evaluate(x, y, verbose=0)[0]
         # Where the replicas' loops do their bookkeeping on the counters.
-        from tf_diffmap.store import BOOKKEEPING_SCOPE
+        from tf_diffmap.store.parameter_store import BOOKKEEPING_SCOPE
         from tf_diffmap._tf_internal import PACKED_SCOPE
         bookkeeping, packs = set(), set()
         task = lambda device: device.split("/device")[0]

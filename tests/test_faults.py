@@ -100,8 +100,8 @@ def test_shutdown_stops_threads_at_once():
 
 # -- classifying the runtime's errors (no cluster needed) ----------------------
 
-from tf_diffmap import replicas  # noqa: E402
 from tf_diffmap.cluster import faults  # noqa: E402
+from tf_diffmap.engine import replicas  # noqa: E402
 
 WORKER_LOST = (
     "Graph execution error:\n\nDetected at node while/body/_1 defined at (most recent call last):\n"
@@ -207,8 +207,8 @@ def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
 
 # -- a shard whose loop call fails: applied once, abandoned, or run again -----
 
-from tf_diffmap.loops import HeldShard, ShardChannel, held_shard  # noqa: E402
-from tf_diffmap.store import ParameterStore  # noqa: E402
+from tf_diffmap.engine.loops import HeldShard, ShardChannel, held_shard  # noqa: E402
+from tf_diffmap.store.parameter_store import ParameterStore  # noqa: E402
 
 
 @pytest.mark.parametrize(

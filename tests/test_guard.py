@@ -9,7 +9,7 @@ import pytest
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
-from tf_diffmap.guard import Collapse
+from tf_diffmap.engine.guard import Collapse
 
 
 def test_a_rise_far_above_the_lowest_loss_or_a_nan_is_a_collapse():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import tf_diffmap
-from tf_diffmap.momentum import MomentumWatch, momentum_warning
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
+from tf_diffmap.updates.momentum import MomentumWatch, momentum_warning
 
 
 def stats(mean_staleness: float, updates: int = 100, replicas: int = 4) -> StalenessStats:

@@ -22,7 +22,7 @@ from tests.test_sparse import (
 )
 from tests.test_sparse import OPTIMIZERS as SPARSE_OPTIMIZERS
 from tf_diffmap import _tf_internal
-from tf_diffmap.partitioned import (
+from tf_diffmap.store.partitioned import (
     PartitionedVariable,
     RowPartitioner,
     RowSplit,
@@ -350,7 +350,7 @@ CLUSTER_CLIENT = textwrap.dedent(
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np, tensorflow as tf
     from tf_diffmap import _tf_internal, cluster
-    from tf_diffmap.partitioned import PartitionedVariable
+    from tf_diffmap.store.partitioned import PartitionedVariable
 
     IDS, ROWS = 16, 40_000  # a table of 1.25 MiB: one shard per ps task
     rng = np.random.default_rng(0)

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits
-from tf_diffmap.replica_step import eager_py_functions
+from tf_diffmap.engine.replica_step import eager_py_functions
 
 
 class PythonIdentity(keras.layers.Layer):

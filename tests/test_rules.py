@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_diffmap import rules
+from tf_diffmap.updates import rules
 
 
 @pytest.mark.parametrize("staleness, expected", [(0, 1.0), (1, 1.0), (2, 0.5), (8, 0.125)])

@@ -162,7 +162,7 @@ def test_reading_weights_during_fit_sees_every_dispatched_update():
 
 def test_step_knows_the_parameters_its_forward_pass_read():
     """Delay compensation needs w_read: the value the forward pass used."""
-    from tf_diffmap.step import current_step
+    from tf_diffmap.updates.step import current_step
 
     strategy = tf_diffmap.Strategy(devices=["CPU:0"])
     with strategy.scope():
@@ -189,7 +189,7 @@ IDLE_RACE_SCRIPT = textwrap.dedent(
     import json, os, random, time
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np, tensorflow as tf, tf_diffmap
-    from tf_diffmap import feed, workers
+    from tf_diffmap.engine import feed, workers
     tf_diffmap.split_devices(4, "CPU")
     # The idle monitor looks every 10 ms and stops the loops after 20 ms
     # without a shard put or applied; the steps pause for 15 to 40 ms every

@@ -5,7 +5,7 @@ import numpy as np
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
-from tf_diffmap.snapshots import CounterSnapshots
+from tf_diffmap.store.snapshots import CounterSnapshots
 
 
 def small_ring_model(capacity):

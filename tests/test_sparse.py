@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
-from tf_diffmap import _tf_internal, sparse
+from tf_diffmap import _tf_internal
+from tf_diffmap.updates import sparse
 
 IDS = 16  # ids an example
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
 
 
 def make(updates, sums, maxes, version=None, dropped=None):

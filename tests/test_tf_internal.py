@@ -628,7 +628,7 @@ def test_a_split_variable_s_hooks_are_the_ones_tensorflow_and_keras_call(tmp_pat
     """`PartitionedVariable` overrides a read hook and the checkpoint and
     SavedModel hooks of a variable; TensorFlow calls each, and a Keras
     variable hands its checkpoint over to its `tf.Variable`."""
-    from tf_diffmap.partitioned import PartitionedVariable, RowSplit
+    from tf_diffmap.store.partitioned import PartitionedVariable, RowSplit
 
     called = collections.Counter()
     for name in ("_read_variable_op", *_tf_internal.SPLIT_VARIABLE_HOOKS):

@@ -185,7 +185,7 @@ def test_partial_last_batch_smaller_than_replica_count():
 
 
 def test_batches_split_into_near_equal_shards_in_the_graph():
-    from tf_diffmap.shards import split_in_graph
+    from tf_diffmap.engine.shards import split_in_graph
 
     @tf.function(input_signature=[tf.TensorSpec([None, 2]), tf.TensorSpec([])])
     def split(x, scale):
@@ -203,7 +203,7 @@ def test_batches_split_into_near_equal_shards_in_the_graph():
 
 @pytest.mark.parametrize("examples", [12, 10, 5, 4, 2, 0])
 def test_stacked_runs_hold_the_shards_a_split_gives(examples):
-    from tf_diffmap.shards import split_in_graph, stack_in_graph, stackable
+    from tf_diffmap.engine.shards import split_in_graph, stack_in_graph, stackable
 
     spec = [tf.TensorSpec([None, 2]), tf.TensorSpec([])]
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tf_diffmap import workers
-from tf_diffmap.workers import ReplicaLoops, ReplicaState
+from tf_diffmap.engine import workers
+from tf_diffmap.engine.workers import ReplicaLoops, ReplicaState
 
 STOP = object()
 

@@ -15,11 +15,11 @@ if importlib.util.find_spec("tensorflow") is None:
 from tf_diffmap import testing
 from tf_diffmap.callbacks import StalenessTensorBoard
 from tf_diffmap.devices import default_replica_devices, split_devices
-from tf_diffmap.optimizer import AsyncOptimizer
-from tf_diffmap.partitioned import RowPartitioner
-from tf_diffmap.rules import staleness_bound
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.partitioned import RowPartitioner
+from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
+from tf_diffmap.updates.optimizer import AsyncOptimizer
+from tf_diffmap.updates.rules import staleness_bound
 
 __version__ = "0.1.0"
 

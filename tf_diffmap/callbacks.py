@@ -6,7 +6,7 @@ two snapshots of the strategy's counters. *What* is written, and how, is in
 
 Epoch points read the counters (`Strategy.statistics()`) at the epoch's end.
 Batch-level points come from snapshots that Keras' graph itself takes at the
-end of each step (`tf_diffmap/snapshots.py`), which a thread of the
+end of each step (`tf_diffmap/store/snapshots.py`), which a thread of the
 callback's own reads in bulk and writes: the training loop only counts
 batches: reading the counters from Python at each batch would run eager
 ops that wait for the interpreter lock and for a CPU the replicas hold.
@@ -25,11 +25,11 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
 from tf_diffmap.tensorboard_plugin import metadata
 from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
+from tf_diffmap.updates.optimizer import AsyncOptimizer, find_in_chain
 
 __all__ = ["StalenessTensorBoard"]
 

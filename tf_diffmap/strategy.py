@@ -8,7 +8,7 @@ How a training step flows:
    gradient tape), as a concrete *replica step* placed on that device, taking a
    replica id and one shard. Replicas on one device share it; concurrent calls
    are separate executions, so nothing serializes the replicas. Around it, a
-   *replica loop* per device (`tf_diffmap.loops`) takes shards from a
+   *replica loop* per device (`tf_diffmap.engine.loops`) takes shards from a
    TensorFlow queue and applies them, up to K per call.
 3. In Keras' graph the strategy splits the host batch into one shard per
    replica and queues the shards with native ops, returning the outputs
@@ -36,22 +36,23 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, inputs, outputs, scope_watch
+from tf_diffmap import _tf_internal, scope_watch
 from tf_diffmap.devices import (
     compute_device,
     default_replica_devices,
     resolve_devices,
     warn_if_one_replica,
 )
-from tf_diffmap.feed import StepFeed
-from tf_diffmap.optimizer import optimizer_chain
-from tf_diffmap.partitioned import resolve_partitioner
-from tf_diffmap.replica_step import ReplicaStep, run_eagerly, signature_of
-from tf_diffmap.replicas import PS_TIMEOUT, WORKER_TIMEOUT, ReplicaReport
-from tf_diffmap.runtime import Runtime
-from tf_diffmap.staleness import StalenessStats
-from tf_diffmap.step import current_step
-from tf_diffmap.store import optimizer_outside_scope_message, outside_scope_message
+from tf_diffmap.engine import inputs, outputs
+from tf_diffmap.engine.feed import StepFeed
+from tf_diffmap.engine.replica_step import ReplicaStep, run_eagerly, signature_of
+from tf_diffmap.engine.replicas import PS_TIMEOUT, WORKER_TIMEOUT, ReplicaReport
+from tf_diffmap.engine.runtime import Runtime
+from tf_diffmap.store.parameter_store import optimizer_outside_scope_message, outside_scope_message
+from tf_diffmap.store.partitioned import resolve_partitioner
+from tf_diffmap.store.staleness import StalenessStats
+from tf_diffmap.updates.optimizer import optimizer_chain
+from tf_diffmap.updates.step import current_step
 
 __all__ = ["MAX_STEP_STALENESS", "Strategy", "current_step"]
 
@@ -262,7 +263,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Values are never per-replica here: a value is whole, or stands for
-        # one replica step of N (see `tf_diffmap.outputs`).
+        # one replica step of N (see `tf_diffmap.engine.outputs`).
         return outputs.reduce_replicas(reduce_op, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -409,7 +410,7 @@ class Strategy(_tf_internal.StrategyBase):
             `None` waits for ever. Ignored on one host.
         variable_partitioner: how many row shards a variable is split into,
             one per parameter device at most, each beside its rows'
-            optimizer slots (see `tf_diffmap.partitioned`). `"auto"` (the
+            optimizer slots (see `tf_diffmap.store.partitioned`). `"auto"` (the
             default) splits variables of at least 512 KiB in shards of at
             least 256 KiB (`tf_diffmap.RowPartitioner()`) when the
             parameter devices are on several tasks (a cluster with several
@@ -427,7 +428,7 @@ class Strategy(_tf_internal.StrategyBase):
             waits for another (a slow replica's share is taken by the
             others). 1 applies every shard's gradient as a step of its own,
             the plain asynchronous update that `tf_diffmap.AsyncOptimizer`'s
-            per-update rules correct. See `tf_diffmap.aggregation` and the
+            per-update rules correct. See `tf_diffmap.updates.aggregation` and the
             documentation's "Staleness-aware updates".
         max_step_staleness: with aggregation, a gradient computed on
             parameters more than this many optimizer steps old is dropped
@@ -631,7 +632,7 @@ class Strategy(_tf_internal.StrategyBase):
         multiplies them by N, MEAN leaves them; with an axis, the reduction
         first runs over that axis of the one step's value. A whole batch's
         outputs (a step that applies no update) are left as they are. See
-        `tf_diffmap.outputs` and the documentation's "Custom training
+        `tf_diffmap.engine.outputs` and the documentation's "Custom training
         loops".
 
         Args:

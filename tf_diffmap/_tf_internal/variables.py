@@ -4,7 +4,7 @@ A store variable is the `tf.Variable` that the strategy's creator chain
 made, whose class is then switched to `StoreVariable` (`adopt`): the class
 adds methods and overrides the private read hook `_read_variable_op`, and
 keeps every attribute its creators gave it. A variable split by rows
-(`tf_diffmap.partitioned`) builds on the private `UninitializedVariable`
+(`tf_diffmap.store.partitioned`) builds on the private `UninitializedVariable`
 and records its reads on the gradient tape itself (`record_read`).
 """
 
@@ -234,7 +234,7 @@ def replica_tracing() -> _ReplicaTracing:
     return _replica_tracing
 
 
-# -- what a variable split by rows uses (`tf_diffmap.partitioned`) -----------
+# -- what a variable split by rows uses (`tf_diffmap.store.partitioned`) -----------
 
 # The base of `partitioned.PartitionedVariable`: a variable whose handle is
 # made, never allocated; `checks.compatibility_problems` says when it is gone.

@@ -32,7 +32,7 @@ What each fault does (the replicas' states are `workers.ReplicaState`):
 - any other error of a replica: raised as its own type; on a cluster its
   message is shortened to its first line and the task, with the runtime's
   error as its `runtime_error` (and `__cause__`, which `fit` clears)
-  (`tf_diffmap.replicas.restated`).
+  (`tf_diffmap.engine.replicas.restated`).
 
 `ClusterRecord` is the replicas' record of a cluster: `replicas.ReplicaRecord`
 with the verdicts above and the rejoiner.
@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal
 from tf_diffmap.devices import task_name
-from tf_diffmap.replicas import ReplicaRecord, named_tasks, short_message, with_cause
+from tf_diffmap.engine.replicas import ReplicaRecord, named_tasks, short_message, with_cause
 
 __all__ = [
     "ClusterRecord",

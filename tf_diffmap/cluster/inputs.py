@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal
 from tf_diffmap.devices import task_name
-from tf_diffmap.inputs import check_dataset, host_dataset
+from tf_diffmap.engine.inputs import check_dataset, host_dataset
 
 __all__ = ["WorkerInput"]
 

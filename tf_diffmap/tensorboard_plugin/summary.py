@@ -27,7 +27,7 @@ from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
 from tf_diffmap.tensorboard_plugin.encoding import BUCKET_BYTES, ScalarBlocks, Series
 from tf_diffmap.tensorboard_plugin.event_file import EventFile

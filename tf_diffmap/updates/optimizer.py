@@ -5,7 +5,7 @@ It wraps an inner Keras optimizer by composition, as
 weight decay, clipping and `iterations` are the inner optimizer's.
 
 By default the strategy aggregates shard gradients into steps of the inner
-optimizer (`Strategy(gradients_per_step="auto")`, `tf_diffmap.aggregation`):
+optimizer (`Strategy(gradients_per_step="auto")`, `tf_diffmap.updates.aggregation`):
 there the wrapper decides, per pushed gradient, whether it is accepted
 (`"drop"`, `drop_above`), and `"auto"` is the plain step (`"none"`); a rule
 that changes each shard's update is refused with a `ValueError` that says
@@ -47,9 +47,10 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, rules, sparse
-from tf_diffmap.step import current_step
-from tf_diffmap.store import optimizer_outside_scope_message
+from tf_diffmap import _tf_internal
+from tf_diffmap.store.parameter_store import optimizer_outside_scope_message
+from tf_diffmap.updates import rules, sparse
+from tf_diffmap.updates.step import current_step
 
 __all__ = ["AsyncOptimizer", "heavy_ball_momentum"]
 
@@ -112,7 +113,7 @@ class _Rows:
     lookup's `tf.IndexedSlices`) is summed per distinct id, and the rules
     read and write only those rows of the variable and of their own state:
     the gap and the delay are measured on the touched rows, and an untouched
-    row's state does not decay (see `tf_diffmap.sparse`).
+    row's state does not decay (see `tf_diffmap.updates.sparse`).
     """
 
     def __init__(self, gradient, variable, state):
@@ -191,7 +192,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
             Ftrl: exact for SGD without momentum and Adagrad, while with
             momentum, Adam's moments and Ftrl an untouched row keeps its
             slots and value (TF-Addons' `LazyAdam`). `"dense"` applies Keras'
-            own update, which touches every row. See `tf_diffmap.sparse`.
+            own update, which touches every row. See `tf_diffmap.updates.sparse`.
         name: the optimizer's name.
         **kwargs: base optimizer arguments are refused: set them on the inner
             optimizer.
@@ -457,7 +458,7 @@ class AsyncOptimizer(keras.optimizers.Optimizer):
 
     def _push(self, grads, variables, state) -> None:
         """Where the strategy aggregates gradients into steps: the inner
-        optimizer's `apply` pushes (`tf_diffmap.aggregation`), and `"drop"`
+        optimizer's `apply` pushes (`tf_diffmap.updates.aggregation`), and `"drop"`
         decides, per push, whether its gradient is accepted."""
         rule = self.rule
         if callable(rule) or rule not in AGGREGATED_RULES:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_diffmap.store.staleness import implicit_momentum
+
 __all__ = [
     "staleness_bound",
     "inverse_lr_scale",
@@ -112,24 +114,6 @@ def moving_average_step(average, value, decay: float):
     it can be applied with an atomic add.
     """
     return (1.0 - decay) * (value - average)
-
-
-def implicit_momentum(mean_staleness):
-    """The momentum that asynchrony adds: s / (1 + s) at mean staleness s.
-
-    Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets momentum", 2016)
-    show that when the staleness of updates is geometrically distributed,
-    asynchronous SGD behaves in expectation like momentum SGD with momentum
-    `mu` where `mu / (1 - mu)` is the mean staleness; with `M` workers queued
-    on one store that is `1 - 1/M`. Solved for `mu`: `s / (1 + s)`.
-
-    Args:
-        mean_staleness: s >= 0 (a float, an array or a tensor).
-
-    Returns:
-        s / (1 + s), in [0, 1), of the same kind as `mean_staleness`.
-    """
-    return mean_staleness / (1.0 + mean_staleness)
 
 
 def compensated_momentum(momentum, mean_staleness):

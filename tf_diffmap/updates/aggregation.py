@@ -3,7 +3,7 @@
 Where the strategy aggregates (`Strategy(gradients_per_step=...)`, by
 default K = the number of replicas, the shards of one batch), a replica's
 call of its optimizer's `apply` does not update the variables: it pushes
-the shard's gradient to the store (`tf_diffmap.accumulators`), and the push
+the shard's gradient to the store (`tf_diffmap.store.accumulators`), and the push
 that completes a window of K applies the window's mean, weighted by the
 shards' examples, as **one step of the optimizer, with its own
 hyperparameters**: its learning rate and schedule, momentum, moments, weight
@@ -41,10 +41,10 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.accumulators import Accumulators, Window
-from tf_diffmap.optimizer import optimizer_chain
-from tf_diffmap.step import StepState, current_step, tracing_step
-from tf_diffmap.store import ParameterStore
+from tf_diffmap.store.accumulators import Accumulators, Window
+from tf_diffmap.store.parameter_store import ParameterStore
+from tf_diffmap.updates.optimizer import optimizer_chain
+from tf_diffmap.updates.step import StepState, current_step, tracing_step
 
 __all__ = ["Aggregation", "aggregating", "innermost", "optimizers_of", "warn_if_not_aggregated"]
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal, sparse
-from tf_diffmap.store import ParameterStore
+from tf_diffmap import _tf_internal
+from tf_diffmap.store.parameter_store import ParameterStore
+from tf_diffmap.updates import sparse
 
 __all__ = ["Claim", "StepState", "current_step", "tracing_step"]
 
@@ -61,11 +62,11 @@ class StepState:
         read_steps: the optimizer steps applied at that read, where the
             strategy aggregates gradients into steps (else None).
         aggregating: whether the strategy aggregates gradients into steps
-            (`tf_diffmap.aggregation` then applies the step's optimizer).
+            (`tf_diffmap.updates.aggregation` then applies the step's optimizer).
         claimed: whether any claim was made while tracing.
         pushed: whether an aggregated push was traced.
         sparse_updates: `"lazy"` (rows only) or `"dense"` (Keras' update),
-            for the step's `IndexedSlices` gradients (`tf_diffmap.sparse`).
+            for the step's `IndexedSlices` gradients (`tf_diffmap.updates.sparse`).
     """
 
     def __init__(
@@ -84,7 +85,7 @@ class StepState:
         self.read_steps = store.read_optimizer_steps() if aggregating else None
         self.claimed = False
         self.pushed = False
-        # How an `IndexedSlices` gradient is applied (`tf_diffmap.sparse`);
+        # How an `IndexedSlices` gradient is applied (`tf_diffmap.updates.sparse`);
         # `AsyncOptimizer(sparse_updates=...)` sets it for its updates.
         self.sparse_updates = "lazy"
         self._claims: dict[Any, Claim] = {}
@@ -171,7 +172,7 @@ class StepState:
         made here once the gradient is known; an update that comes before
         any gradient (weight decay) is deferred until the claim. A rule's
         learning-rate factor scales the learning rate, and an
-        `IndexedSlices` gradient updates rows alone (`tf_diffmap.sparse`)
+        `IndexedSlices` gradient updates rows alone (`tf_diffmap.updates.sparse`)
         unless the optimizer asked for Keras' dense update.
         """
         claim = self.current_claim()

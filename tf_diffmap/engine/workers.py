@@ -1,7 +1,7 @@
 """Per-replica threads that run the replicas' loops, and what they share.
 
 Each replica is one Python thread bound to one replica id. The thread calls
-its replica's *loop function* (see `tf_diffmap.loops`), a TensorFlow function
+its replica's *loop function* (see `tf_diffmap.engine.loops`), a TensorFlow function
 that takes up to K shards, one after the other, from a queue that every
 replica shares, applies each as one replica step and returns once. Python
 thus touches a replica once per K shards, and a slow replica simply takes

@@ -6,7 +6,7 @@ it. Each push adds its gradient to an accumulator beside each variable, and
 the push that completes a window of K takes what the window holds and
 leaves the accumulators empty. Its replica then applies the window's
 gradient as one step of the optimizer
-(`tf_diffmap.aggregation`); the others go on computing. Nobody waits for
+(`tf_diffmap.updates.aggregation`); the others go on computing. Nobody waits for
 another replica: a slow one simply pushes fewer gradients.
 
 A push is one critical section under a TensorFlow mutex on the store's host
@@ -20,14 +20,14 @@ inside it waits for a replica's device or task.
 
 A dense gradient is added to a dense accumulator of its variable's shape,
 on its variable's device (split by rows alike where the variable is, see
-`tf_diffmap.partitioned`). A sparse one (an embedding lookup's
+`tf_diffmap.store.partitioned`). A sparse one (an embedding lookup's
 `tf.IndexedSlices`) is queued, its distinct ids and their summed rows, on a
 queue beside its variable; the take joins the window's rows into one
 `tf.IndexedSlices`. A sparse window costs the rows it touches, never the
 size of its table.
 
 A push whose gradient is not accepted (too stale, see
-`tf_diffmap.aggregation`) still counts in its window, and adds nothing: a
+`tf_diffmap.updates.aggregation`) still counts in its window, and adds nothing: a
 window stands for K shards of the data, the batch the optimizer was tuned
 for, and its step is scaled to the gradients accepted (`Window.gradients`).
 """
@@ -41,8 +41,8 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-from tf_diffmap.partitioned import PartitionedVariable
-from tf_diffmap.sparse import unique_rows, write_rows
+from tf_diffmap.store.partitioned import PartitionedVariable
+from tf_diffmap.store.rows import unique_rows, write_rows
 
 __all__ = ["Accumulators", "Window", "locked"]
 

@@ -2,7 +2,8 @@
 
 The strategy counts, per replica, the updates it applied and how stale they
 were; `StalenessStats` turns those counters into the figures a user reads.
-Nothing here touches a variable. The update rules are in `tf_diffmap.rules`.
+Nothing here touches a variable. The update rules are in `tf_diffmap.updates.rules`;
+`implicit_momentum` is here, since the statistics report it.
 """
 
 from __future__ import annotations
@@ -11,9 +12,25 @@ import dataclasses
 
 import numpy as np
 
-from tf_diffmap.rules import implicit_momentum
+__all__ = ["StalenessStats", "implicit_momentum"]
 
-__all__ = ["StalenessStats"]
+
+def implicit_momentum(mean_staleness):
+    """The momentum that asynchrony adds: s / (1 + s) at mean staleness s.
+
+    Mitliagkas, Zhang, Hadjis and Ré ("Asynchrony begets momentum", 2016)
+    show that when the staleness of updates is geometrically distributed,
+    asynchronous SGD behaves in expectation like momentum SGD with momentum
+    `mu` where `mu / (1 - mu)` is the mean staleness; with `M` workers queued
+    on one store that is `1 - 1/M`. Solved for `mu`: `s / (1 + s)`.
+
+    Args:
+        mean_staleness: s >= 0 (a float, an array or a tensor).
+
+    Returns:
+        s / (1 + s), in [0, 1), of the same kind as `mean_staleness`.
+    """
+    return mean_staleness / (1.0 + mean_staleness)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ class Collapse:
         """Takes one reading; returns what collapsed, or None.
 
         Examples:
-            >>> from tf_diffmap.guard import Collapse
+            >>> from tf_diffmap.engine.guard import Collapse
             >>> collapse = Collapse()
             >>> [collapse.observe(x) for x in (2.3, 0.9, 0.5)]
             [None, None, None]

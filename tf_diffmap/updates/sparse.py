@@ -9,7 +9,7 @@ to the touched rows alone: the ids are made unique and their rows summed
 where the gradient was computed, the rows of the variable and its slots are
 gathered where they live, and the new rows are written back by scatter ops
 that add (or, for Ftrl's weights, set) rows under the variable's lock
-(`write_rows`), so that replicas updating the same rows at once lose no
+(`tf_diffmap.store.rows.write_rows`), so that replicas updating the same rows at once lose no
 increment. The cost of an update follows the
 rows it touches, not the size of the table.
 
@@ -32,7 +32,7 @@ Semantics ("lazy", the default, and "dense"; `AsyncOptimizer(sparse_updates=)`):
 Keras' weight decay (`weight_decay=`) and `global_clipnorm` stay Keras' own,
 dense, on every row.
 
-A table split by rows over several parameter devices (`tf_diffmap.partitioned`)
+A table split by rows over several parameter devices (`tf_diffmap.store.partitioned`)
 is updated shard by shard: the touched rows are sent, from where the gradient
 was computed, to the shard that holds each, and each shard's update reads and
 writes that shard and its own shards of the slots, on its device.
@@ -46,7 +46,8 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.partitioned import PartitionedVariable
+from tf_diffmap.store.partitioned import PartitionedVariable
+from tf_diffmap.store.rows import unique_rows, write_rows
 
 __all__ = [
     "SEMANTICS",
@@ -81,17 +82,6 @@ def row_update_kind(optimizer) -> str | None:
         if isinstance(optimizer, cls) and type(optimizer).update_step is cls.update_step:
             return kind
     return None
-
-
-def unique_rows(gradient: tf.IndexedSlices) -> tuple[tf.Tensor, tf.Tensor]:
-    """The distinct ids of `gradient` and, for each, the sum of its rows.
-
-    A lookup of the same id twice gives two rows of gradient; the dense
-    gradient of the table holds their sum, and so does the row update.
-    """
-    ids, position = tf.unique(tf.cast(gradient.indices, tf.int64))
-    rows = tf.math.unsorted_segment_sum(gradient.values, position, tf.size(ids))
-    return ids, rows
 
 
 def updates_rows(optimizer) -> bool:
@@ -156,31 +146,9 @@ def update_rows(optimizer, variable, gradient: tf.IndexedSlices, learning_rate):
     return tf.group(updates)
 
 
-def write_rows(variable, op: str, ids: tf.Tensor, rows: tf.Tensor):
-    """Adds (`"add"`), subtracts, sets or takes the maximum of `rows` into
-    rows `ids` of `variable`, holding the variable's lock.
-
-    TensorFlow's `scatter_add` and its kin update a float variable under a
-    shared lock: two replicas adding to the same row at once can lose one of
-    the increments. Their `scatter_nd` forms take the variable's lock
-    (`use_locking`), and so lose none. A variable split by rows is written
-    shard by shard, each under its own lock.
-    """
-    if isinstance(variable, PartitionedVariable):
-        parts = variable.row_split.partition(ids, tf.cast(rows, variable.dtype))
-        writes = []
-        for shard, (local, part, _) in zip(variable.shards, parts):
-            with tf.device(shard.device):
-                writes.append(write_rows(shard, op, local, part))
-        return tf.group(writes)
-    return getattr(variable, f"scatter_nd_{op}")(
-        tf.expand_dims(ids, 1), tf.cast(rows, variable.dtype)
-    )
-
-
 def _split_alike(variable, slots: dict):
     """The `RowSplit` of `variable` when it and all its slots are split
-    alike (see `tf_diffmap.partitioned`), else None."""
+    alike (see `tf_diffmap.store.partitioned`), else None."""
     if not isinstance(variable, PartitionedVariable):
         return None
     split = variable.row_split

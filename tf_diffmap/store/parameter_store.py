@@ -25,8 +25,8 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal
 from tf_diffmap.devices import host_cpu, task_name
-from tf_diffmap.partitioned import PartitionedVariable, RowSplit, shards_for
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.partitioned import PartitionedVariable, RowSplit, shards_for
+from tf_diffmap.store.staleness import StalenessStats
 
 __all__ = [
     "ParameterStore",
@@ -172,7 +172,7 @@ class ParameterStore:
             the queue they come from), with the per-replica counters and
             the metrics' totals; by default the store's host.
         partitioner: splits large variables by rows over the devices (see
-            `tf_diffmap.partitioned.shards_for`); None splits none.
+            `tf_diffmap.store.partitioned.shards_for`); None splits none.
     """
 
     def __init__(

@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap.devices import task_name
-from tf_diffmap.staleness import StalenessStats
-from tf_diffmap.store import counters_as_stats
+from tf_diffmap.store.parameter_store import counters_as_stats
+from tf_diffmap.store.staleness import StalenessStats
 
 __all__ = ["CounterSnapshots", "Snapshots"]
 

@@ -20,12 +20,18 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tf_diffmap.loops import HeldShard, ShardChannel, drop_function, held_shard, loop_function
-from tf_diffmap.outputs import mark_one_replica
-from tf_diffmap.replica_step import ReplicaStep, batch_size, in_clean_thread
-from tf_diffmap.runtime import Runtime
-from tf_diffmap.shards import split_in_graph, stack_in_graph, stackable
-from tf_diffmap.workers import ReplicaLoops, ReplicaState
+from tf_diffmap.engine.loops import (
+    HeldShard,
+    ShardChannel,
+    drop_function,
+    held_shard,
+    loop_function,
+)
+from tf_diffmap.engine.outputs import mark_one_replica
+from tf_diffmap.engine.replica_step import ReplicaStep, batch_size, in_clean_thread
+from tf_diffmap.engine.runtime import Runtime
+from tf_diffmap.engine.shards import split_in_graph, stack_in_graph, stackable
+from tf_diffmap.engine.workers import ReplicaLoops, ReplicaState
 
 __all__ = ["StepFeed"]
 

@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
 
-from tf_diffmap.aggregation import Aggregation
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
-from tf_diffmap.guard import CollapseGuard
-from tf_diffmap.momentum import MomentumWatch
-from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain
-from tf_diffmap.replicas import ReplicaRecord, ReplicaReport
-from tf_diffmap.snapshots import CounterSnapshots
-from tf_diffmap.store import ParameterStore
-from tf_diffmap.workers import ReplicaState
+from tf_diffmap.engine.guard import CollapseGuard
+from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
+from tf_diffmap.engine.workers import ReplicaState
+from tf_diffmap.store.parameter_store import ParameterStore
+from tf_diffmap.store.snapshots import CounterSnapshots
+from tf_diffmap.updates.aggregation import Aggregation
+from tf_diffmap.updates.momentum import MomentumWatch
+from tf_diffmap.updates.optimizer import AsyncOptimizer, find_in_chain
 
 if TYPE_CHECKING:
     from tf_diffmap.cluster.inputs import WorkerInput

@@ -19,9 +19,9 @@ import warnings
 from collections.abc import Callable
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.optimizer import AsyncOptimizer, find_in_chain, heavy_ball_momentum
-from tf_diffmap.rules import implicit_momentum
-from tf_diffmap.staleness import StalenessStats
+from tf_diffmap.store.staleness import StalenessStats
+from tf_diffmap.updates.optimizer import AsyncOptimizer, find_in_chain, heavy_ball_momentum
+from tf_diffmap.updates.rules import implicit_momentum
 
 __all__ = ["MomentumWatch", "momentum_warning", "CORRECTING_RULES"]
 
@@ -50,7 +50,7 @@ def momentum_warning(optimizer, stats: StalenessStats, min_updates: int = 0) -> 
         measured mean staleness is 1 or more; else None. Where the store
         aggregates gradients into steps, the optimizer takes the steps of
         synchronous training, and none is due (the collapse guard,
-        `tf_diffmap.guard`, says so if training collapses all the same).
+        `tf_diffmap.engine.guard`, says so if training collapses all the same).
     """
     if stats.aggregated:
         return None

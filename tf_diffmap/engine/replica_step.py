@@ -23,11 +23,16 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.aggregation import aggregating, innermost, optimizers_of, warn_if_not_aggregated
-from tf_diffmap.step import StepState, tracing_step
+from tf_diffmap.updates.aggregation import (
+    aggregating,
+    innermost,
+    optimizers_of,
+    warn_if_not_aggregated,
+)
+from tf_diffmap.updates.step import StepState, tracing_step
 
 if TYPE_CHECKING:
-    from tf_diffmap.runtime import Runtime
+    from tf_diffmap.engine.runtime import Runtime
 
 __all__ = [
     "ReplicaStep",
