@@ -441,7 +441,9 @@ class Strategy(_tf_internal.StrategyBase):
         max_step_staleness: with aggregation, a gradient computed on
             parameters more than this many optimizer steps old is dropped
             (it still counts in its window, with no weight) and counted in
-            the statistics. None accepts every gradient.
+            the statistics. None accepts every gradient. The default, 1
+            (`MAX_STEP_STALENESS`), was chosen on the tuning half of the
+            held-out grid.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an

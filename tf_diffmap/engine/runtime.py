@@ -235,6 +235,9 @@ class Runtime:
                 + (
                     "; or drop stale gradients with Strategy(max_step_staleness=1)."
                     if bound is None or bound > 1
+                    else "; or keep only gradients computed on the newest parameters with "
+                    "Strategy(max_step_staleness=0), which drops more of them."
+                    if bound == 1
                     else "."
                 )
             )
