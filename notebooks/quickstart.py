@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -148,8 +148,9 @@ print(f"{len(x_train)} training and {len(x_val)} validation images")
 # `tf_diffmap.Strategy()` takes every GPU, or where there is none every CPU
 # device: here, the logical devices made above. As with any `tf.distribute`
 # strategy, create the model **and its optimizer** inside `strategy.scope()`.
-# Any Keras optimizer works; `tf_diffmap.AsyncOptimizer` adds staleness-aware
-# update rules (see the third notebook).
+# Any Keras optimizer works, with the learning rate you would use for
+# synchronous training: the store aggregates one gradient per replica into each
+# of its steps (see the third notebook).
 
 # %%
 import keras

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -255,15 +255,14 @@ history = model.fit(
 # | Store version | grows by the same amount each epoch | grows more slowly: throughput fell |
 # | Dropped updates, learning-rate factor | few dropped, factor near 1 | many dropped (wasted work), or a factor near 0 (the updates barely count) |
 #
-# A straggler's updates are few but stale. With SGD, wrap the optimizer in
-# `tf_diffmap.AsyncOptimizer(optimizer)` and keep its default rule (with
-# momentum `"linear"`, the learning rate divided by the number of replicas;
-# without, `"gap"`), which the package's convergence table measured to keep SGD
-# training where plain asynchronous SGD collapsed. Adam, as here, held without a
-# rule there. If a straggler's updates
-# still hurt, bound the staleness with `tf_diffmap.Strategy(max_staleness=k)` or
-# try a rule such as `"inverse"` or `"drop"`, and compare: the next notebook
-# does.
+# A straggler's gradients are few but stale. By default the store aggregates
+# one gradient per replica into each step of the optimizer and drops those
+# computed more than one step before their step, so the tab also shows the
+# staleness in optimizer steps (the unit switch) and the dropped gradients,
+# most of them the straggler's. If its gradients still hurt, or you take a step
+# per shard (`tf_diffmap.Strategy(gradients_per_step=1)`), bound the staleness
+# with `tf_diffmap.Strategy(max_staleness=k)` or try the rules of
+# `tf_diffmap.AsyncOptimizer`, and compare: the next notebook does.
 
 # %% [markdown]
 # ## The same numbers in Python
