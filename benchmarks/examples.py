@@ -7,13 +7,17 @@ download replaced by synthetic data of the same shapes and types from
 long on a 2-core host, model building and compile put in the contender's
 scope), and runs each (example, contender, seed) in a fresh process with 4
 logical CPU devices. Contenders: ``plain`` (no strategy, one device),
-``mirrored`` (`tf.distribute.MirroredStrategy` over /cpu:0..3) and
-``tf_diffmap`` (`tf_diffmap.Strategy()`, its defaults), each on the
-example's own optimizer, loss and metrics.
+``mirrored`` (`tf.distribute.MirroredStrategy` over /cpu:0..3),
+``tf_diffmap`` (`tf_diffmap.Strategy()`, its defaults: the shard gradients
+of the 4 replicas aggregated into one step of the inner optimizer) and
+``tf_diffmap_per_shard`` (`tf_diffmap.Strategy(gradients_per_step=1)`: a
+step per shard gradient), each on the example's own optimizer, loss and
+metrics.
 
     python -m benchmarks.examples --keras-io PATH [--keras-rs PATH] [--seeds 3]
     python -m benchmarks.examples --keras-io PATH --list      # the edits, per example
     python -m benchmarks.examples --report-only --out DIR     # the table again
+    python -m benchmarks.examples --report-only --out DIR --publish docs/benchmarks/examples
 
 Each run records the example's own metric, the wall time of its `fit`
 calls and of the whole script, and under tf_diffmap `strategy.statistics()`
@@ -47,9 +51,9 @@ from typing import Any
 
 from benchmarks.example_edits import SCOPE_NAME, Edit, apply_edits
 
-__all__ = ["EXAMPLES", "Example", "prepared_source", "main"]
+__all__ = ["EXAMPLES", "Example", "prepared_source", "publish", "main"]
 
-CONTENDERS = ("plain", "mirrored", "tf_diffmap")
+CONTENDERS = ("plain", "mirrored", "tf_diffmap", "tf_diffmap_per_shard")
 DEVICES = 4
 RUN_TIMEOUT = 1500  # seconds; a run past it is recorded as a timeout
 SYNTHETIC = "__synthetic__"  # the name the edited source calls the data through
@@ -143,11 +147,18 @@ EXAMPLES: dict[str, Example] = {
                     f"{SYNTHETIC}.mnist(train=5_000, test=2_000)",
                     "MNIST: scikit-learn digits upsampled to 28x28 uint8, shifted, noisy",
                 ),
+                Edit(
+                    "shorten",
+                    "epochs = 15",
+                    "7 epochs instead of 15: 15 took 4.5 minutes a run on a shared 2-core host",
+                    old="epochs = 15",
+                    new="epochs = 7",
+                ),
                 _scope("model = keras.Sequential(", through="model.compile("),
             ),
             metric="test_accuracy",
             higher_is_better=True,
-            shortened="5,000 train / 2,000 test images (of 60,000 / 10,000); 15 epochs as written",
+            shortened="5,000 train / 2,000 test images (of 60,000 / 10,000); 7 epochs (of 15)",
         ),
         Example(
             name="transformer_text",
@@ -202,7 +213,10 @@ EXAMPLES: dict[str, Example] = {
                     f"dataframe = {SYNTHETIC}.heart(rows=303)",
                     "heart.csv: its 14 columns and types, 303 rows, target from a logistic rule",
                 ),
-                _scope('x = keras.layers.Dense(32, activation="relu")', "training_model.compile("),
+                _scope(
+                    'x = keras.layers.Dense(32, activation="relu")',
+                    "training_model.compile(",
+                ),
             ),
             metric="val_accuracy",
             higher_is_better=True,
@@ -238,7 +252,10 @@ EXAMPLES: dict[str, Example] = {
                     new="range(1)",
                 ),
                 _scope("optimizer = keras.optimizers.AdamW(", through="model.compile("),
-                _scope("cross_network = keras.Sequential(", "deep_network = keras.Sequential("),
+                _scope(
+                    "cross_network = keras.Sequential(",
+                    "deep_network = keras.Sequential(",
+                ),
                 _scope(" cross_network = get_model("),
                 _scope("opt_cross_network = get_model("),
                 _scope(" deep_network = get_model("),
@@ -322,7 +339,10 @@ class _Recorder:
             stack = traceback.extract_stack()[:-1]
             callers = [f for f in stack if not f.filename.endswith("warnings.py")]
             if callers and "/tf_diffmap/" in callers[-1].filename:
-                recorder.warnings.append(f"{category.__name__}: {message}")
+                # Where the warning was raised, so that the report shows its origin.
+                origin = "/".join(Path(callers[-1].filename).parts[-3:])
+                origin += f":{callers[-1].lineno}"
+                recorder.warnings.append(f"{category.__name__}: {message} [raised in {origin}]")
             shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = showwarning
@@ -361,6 +381,10 @@ def _strategy(contender: str):
         import tf_diffmap
 
         return tf_diffmap.Strategy()
+    if contender == "tf_diffmap_per_shard":
+        import tf_diffmap
+
+        return tf_diffmap.Strategy(gradients_per_step=1)
     raise ValueError(f"contender must be one of {CONTENDERS}, received {contender!r}.")
 
 
@@ -414,7 +438,7 @@ def run_one(spec: dict) -> dict:
     }
     if example.after is not None:
         result["metrics"].update(example.after(namespace, strategy))
-    if spec["contender"] == "tf_diffmap":
+    if spec["contender"].startswith("tf_diffmap"):
         result["statistics"] = _statistics(strategy)
     result["tf_diffmap_warnings"] = sorted(set(recorder.warnings))
     return result
@@ -425,7 +449,11 @@ def _child_main(spec_path: str, result_path: str) -> int:
     try:
         result = {"status": "ok", **run_one(spec)}
     except Exception as error:  # noqa: BLE001 - recorded; the other runs go on
-        result = {"status": "error", "error": traceback.format_exc()[-3000:], "type": repr(error)}
+        result = {
+            "status": "error",
+            "error": traceback.format_exc()[-3000:],
+            "type": repr(error),
+        }
     Path(result_path).write_text(json.dumps(result))
     return 0
 
@@ -452,7 +480,10 @@ def _run_process(spec: dict, out: Path) -> dict:
     """One run in a fresh process; its result, or why there is none."""
     key = _key(spec["example"], spec["contender"], spec["seed"])
     stem = key.replace("/", "-")
-    spec_path, result_path = out / "logs" / f"{stem}.spec.json", out / "logs" / f"{stem}.json"
+    spec_path, result_path = (
+        out / "logs" / f"{stem}.spec.json",
+        out / "logs" / f"{stem}.json",
+    )
     spec = {**spec, "edited_source": str(out / "logs" / f"{stem}.edited.py")}
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -476,7 +507,12 @@ def _run_process(spec: dict, out: Path) -> dict:
             )
         except subprocess.TimeoutExpired:
             result = {"status": "timeout", "error": f"over {RUN_TIMEOUT} s"}
-    return {"key": key, **spec, "process_seconds": time.perf_counter() - start, **result}
+    return {
+        "key": key,
+        **spec,
+        "process_seconds": time.perf_counter() - start,
+        **result,
+    }
 
 
 def run_all(
@@ -596,7 +632,7 @@ def render(table: dict) -> str:
                     f"{statistics.median(row['mean_staleness_steps']):.2f}"
                 )
             fit = f"{statistics.median(row['fit_seconds']):.0f}" if row["fit_seconds"] else "-"
-            warned = str(len(row["warnings"])) if contender == "tf_diffmap" else "-"
+            warned = str(len(row["warnings"])) if contender.startswith("tf_diffmap") else "-"
             label = f"{name} ({example.metric}, {arrow} is better)"
             lines.append(f"| {label} | {contender} | {cell} | {fit} | {stale} | {warned} |")
     return "\n".join(lines)
@@ -614,6 +650,179 @@ def describe_edits() -> str:
     return "\n".join(lines)
 
 
+CONTENDER_TITLES = {
+    "plain": "plain Keras",
+    "mirrored": "MirroredStrategy",
+    "tf_diffmap": "tf_diffmap (default)",
+    "tf_diffmap_per_shard": "tf_diffmap, a step per shard",
+}
+# Figures beside each example's own metric, in the compact table's notes.
+SECONDARY = {
+    "mnist_convnet": ("val_accuracy",),
+    "transformer_text": ("val_loss",),
+    "recommender": ("evaluate_own", "evaluate_whole_batch", "evaluate_shards_of_4"),
+    "feature_space": ("val_loss",),
+    "dcn": DCN_EVALUATIONS,
+}
+
+
+def render_compact(table: dict) -> str:
+    """One row per example, one column per contender: the metric's median (range) and n."""
+    present = [c for c in CONTENDERS if any(c in rows for rows in table.values())]
+    lines = [
+        "| Example (metric) | " + " | ".join(CONTENDER_TITLES[c] for c in present) + " |",
+        "| --- | " + " | ".join("---" for _ in present) + " |",
+    ]
+    for name, rows in table.items():
+        example = EXAMPLES[name]
+        arrow = "higher" if example.higher_is_better else "lower"
+        cells = []
+        for contender in present:
+            row = rows.get(contender)
+            if row is None:
+                cells.append("not run")
+                continue
+            values = [v for v in row["values"] if v is not None]
+            cell = _median_range(values, 4) + f", n={len(values)}" if values else "-"
+            if row["failed"]:
+                cell += f"; {len(row['failed'])} failed"
+            cells.append(cell)
+        lines.append(
+            f"| {name} ({example.metric}, {arrow} is better) | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def render_secondary(table: dict) -> str:
+    """The other figures each example reports, per contender: median (range)."""
+    lines = []
+    for name, rows in table.items():
+        keys = SECONDARY.get(name, ())
+        if not keys:
+            continue
+        lines.append(f"| {name} | " + " | ".join(keys) + " |")
+        lines.append("| --- | " + " | ".join("---" for _ in keys) + " |")
+        for contender, row in rows.items():
+            figures = row["other_metrics"]
+            cells = [
+                _median_range([v for v in figures.get(k, []) if v is not None], 4) for k in keys
+            ]
+            lines.append(f"| {CONTENDER_TITLES[contender]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    found = {}
+    for package in (
+        "tensorflow",
+        "tensorflow-cpu",
+        "keras",
+        "keras-rs",
+        "numpy",
+        "pandas",
+    ):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[package] = metadata.version(package)
+    root = Path(__file__).resolve().parent.parent
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        found["tf_diffmap commit"] = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    return found
+
+
+def publish(out: Path, target: Path, command: str, host_note: str) -> None:
+    """Writes ``target/results.md`` and ``target/results.json`` from ``out/runs.jsonl``:
+    the tables, the command that made them, the dates of the runs, the host and the versions."""
+    runs = list(_done(out).values())
+    table = summarize(runs)
+    logs = sorted((out / "logs").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    logs = [p for p in logs if not p.name.endswith(".spec.json")]
+    stamp = "%Y-%m-%d %H:%M UTC"
+    dates = (
+        [time.strftime(stamp, time.gmtime(p.stat().st_mtime)) for p in (logs[0], logs[-1])]
+        if logs
+        else ["-", "-"]
+    )
+    versions = _versions()
+    seeds = sorted({r["seed"] for r in runs})
+    host = f"{os.cpu_count()} logical CPUs; {host_note}"
+    warned = {
+        f"{name}/{contender}": row["warnings"]
+        for name, rows in table.items()
+        for contender, row in rows.items()
+        if row["warnings"]
+    }
+    lines = [
+        "# Real example code: plain Keras, MirroredStrategy and tf_diffmap",
+        "",
+        "Written by `python -m benchmarks.examples --publish`; how the runner works is in",
+        "[Reading the benchmark tables](../../benchmarks.md#real-example-code).",
+        "",
+        f"- Runs: {dates[0]} to {dates[-1]}; seeds {seeds}; one run at a time.",
+        f"- Host: {host}.",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        f"- Command: `{command}`",
+        "",
+        "Each cell is the median over seeds, with the range when there is more than one,",
+        "and n, the number of runs. The data is synthetic (see the edits below), so the",
+        "figures compare contenders on the same data and say nothing of the real data sets.",
+        "",
+        "## The example's own metric",
+        "",
+        render_compact(table),
+        "",
+        "## Time, staleness and warnings",
+        "",
+        "Fit s is the wall time of the example's `fit` calls (on a shared host: compare",
+        "within a row). Staleness is tf_diffmap's mean, in versions and in optimizer steps.",
+        "",
+        render(table),
+        "",
+        "## The example's other figures",
+        "",
+        render_secondary(table),
+        "## What tf_diffmap warned",
+        "",
+    ]
+    if warned:
+        for key, messages in warned.items():
+            lines.append(f"- {key}:")
+            lines.extend(f"  - `{m[:300]}`" for m in messages)
+    else:
+        lines.append("Nothing.")
+    lines += [
+        "",
+        "## The edits of each example",
+        "",
+        "```",
+        describe_edits(),
+        "```",
+        "",
+    ]
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "results.md").write_text("\n".join(lines))
+    record = {
+        "command": command,
+        "runs_from": dates[0],
+        "runs_to": dates[-1],
+        "host": host,
+        "versions": versions,
+        "table": table,
+        "runs": [
+            {k: v for k, v in r.items() if k not in ("fits", "checkouts", "edited_source")}
+            for r in sorted(runs, key=lambda r: r["key"])
+        ],
+    }
+    (target / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.examples", description=__doc__.split("\n")[0]
@@ -621,12 +830,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keras-io", type=Path, help="a keras-io checkout")
     parser.add_argument("--keras-rs", type=Path, help="a keras-rs checkout (for the DCN example)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        action="append",
+        help="this seed only (repeatable; overrides --seeds)",
+    )
     parser.add_argument("--only", nargs="*", choices=sorted(EXAMPLES), help="these examples only")
     parser.add_argument("--contenders", nargs="*", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--out", type=Path, default=Path("examples-out"))
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--list", action="store_true", help="print the edits and exit")
     parser.add_argument("--report-only", action="store_true", help="the table from DIR/runs.jsonl")
+    parser.add_argument(
+        "--publish",
+        type=Path,
+        metavar="DIR",
+        help="also write DIR/results.md and results.json",
+    )
+    parser.add_argument(
+        "--host-note",
+        default="",
+        help="what else ran on the host, for --publish's page",
+    )
     parser.add_argument("--child", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -646,13 +872,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = [n for n in names if EXAMPLES[n].checkout not in checkouts]
         if missing:
             parser.error(f"{missing} need a {EXAMPLES[missing[0]].checkout} checkout.")
-        run_all(names, args.contenders, range(args.seeds), checkouts, args.out, args.jobs)
+        seeds = args.seed or range(args.seeds)
+        run_all(names, args.contenders, seeds, checkouts, args.out, args.jobs)
     runs = list(_done(args.out).values())
     table = summarize(runs)
     (args.out / "examples.json").write_text(json.dumps(table, indent=1))
     text = render(table)
     (args.out / "examples.md").write_text(text + "\n")
     print(text)
+    if args.publish is not None:
+        command = "python -m benchmarks.examples " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        publish(args.out, args.publish, command, args.host_note)
     return 0
 
 

@@ -9,6 +9,7 @@ example's code is needed, and no strategy runs.
 
 import ast
 import contextlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +201,7 @@ def test_synthetic_data_has_the_shapes_and_types_of_what_it_replaces():
     (reviews, labels), (val_reviews, _) = example_data.imdb(num_words=200, train=20, test=5)
     assert reviews.dtype == object and len(reviews) == 20 and len(val_reviews) == 5
     assert all(r[0] == 1 and max(r) < 200 for r in reviews) and set(labels) <= {0, 1}
+    pytest.importorskip("pandas")  # the tables' examples read pandas DataFrames
     ratings = example_data.movielens_ratings(ratings=500, users=20, movies=50)
     assert list(ratings.columns) == ["userId", "movieId", "rating", "timestamp"]
     assert ratings["rating"].between(0.5, 5.0).all() and (ratings["rating"] * 2 % 1 == 0).all()
@@ -209,3 +211,60 @@ def test_synthetic_data_has_the_shapes_and_types_of_what_it_replaces():
     assert set(heart["thal"]) == {"normal", "fixed", "reversible"}
     # The same data for every contender and seed.
     assert example_data.heart().equals(heart)
+
+
+def _runs_on_disk(out: Path) -> None:
+    """A runs.jsonl as `run_all` writes it: two seeds of two contenders, one failed run."""
+    (out / "logs").mkdir(parents=True)
+    runs = []
+    for contender, values in (("plain", (0.62, 0.64)), ("tf_diffmap", (0.66, None))):
+        for seed, value in enumerate(values):
+            run = {
+                "key": f"recommender/{contender}/{seed}",
+                "example": "recommender",
+                "contender": contender,
+                "seed": seed,
+                "status": "ok" if value is not None else "error",
+                "fits": [{"seconds": 1.0, "history": {}}],
+            }
+            if value is not None:
+                run.update(
+                    metrics={"val_loss": value, "evaluate_own": value},
+                    fit_seconds=12.0,
+                    tf_diffmap_warnings=["UserWarning: a warning [raised in tf_diffmap/x.py:1]"]
+                    if contender == "tf_diffmap"
+                    else [],
+                )
+                if contender == "tf_diffmap":
+                    run["statistics"] = {
+                        "mean_staleness_versions": 2.0,
+                        "mean_staleness_steps": 0.25,
+                        "max_staleness_steps": 1,
+                    }
+            runs.append(run)
+            (out / "logs" / f"recommender-{contender}-{seed}.json").write_text("{}")
+    (out / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+
+
+def test_publish_writes_the_tables_the_command_the_dates_and_the_host(tmp_path):
+    _runs_on_disk(tmp_path / "out")
+    target = tmp_path / "docs"
+    examples.publish(tmp_path / "out", target, "python -m benchmarks.examples X", "shared")
+    text = (target / "results.md").read_text()
+    assert "- Command: `python -m benchmarks.examples X`" in text
+    assert "logical CPUs; shared." in text and "seeds [0, 1]" in text
+    header = "| Example (metric) | plain Keras | tf_diffmap (default) |"
+    assert header in text  # contenders that did not run have no column
+    row = "| recommender (val_loss, lower is better) | 0.6300 (0.6200-0.6400), n=2 | "
+    assert row + "0.6600, n=1; 1 failed |" in text
+    assert "| tf_diffmap (default) | 0.6600 | - | - |" in text  # evaluate_own, others absent
+    assert "- recommender/tf_diffmap:" in text and "[raised in tf_diffmap/x.py:1]" in text
+    record = json.loads((target / "results.json").read_text())
+    assert record["command"] == "python -m benchmarks.examples X"
+    assert record["table"]["recommender"]["plain"]["values"] == [0.62, 0.64]
+    assert len(record["runs"]) == 4 and all("fits" not in r for r in record["runs"])
+
+
+def test_every_contender_has_a_title_and_a_strategy_name():
+    assert set(examples.CONTENDER_TITLES) == set(examples.CONTENDERS)
+    assert "tf_diffmap_per_shard" in examples.CONTENDERS
