@@ -737,9 +737,10 @@ def _versions() -> dict:
     return found
 
 
-def publish(out: Path, target: Path, command: str, host_note: str) -> None:
+def publish(out: Path, target: Path, command: str, host_note: str, notes: str = "") -> None:
     """Writes ``target/results.md`` and ``target/results.json`` from ``out/runs.jsonl``:
-    the tables, the command that made them, the dates of the runs, the host and the versions."""
+    the tables, the command that made them, the dates of the runs, the host and the versions,
+    and `notes` (Markdown: what the runs left out, say) under their own heading."""
     runs = list(_done(out).values())
     table = summarize(runs)
     logs = sorted((out / "logs").glob("*.json"), key=lambda p: p.stat().st_mtime)
@@ -774,6 +775,10 @@ def publish(out: Path, target: Path, command: str, host_note: str) -> None:
         "and n, the number of runs. The data is synthetic (see the edits below), so the",
         "figures compare contenders on the same data and say nothing of the real data sets.",
         "",
+    ]
+    if notes:
+        lines += ["## Notes on these runs", "", notes.strip(), ""]
+    lines += [
         "## The example's own metric",
         "",
         render_compact(table),
@@ -820,6 +825,7 @@ def publish(out: Path, target: Path, command: str, host_note: str) -> None:
             for r in sorted(runs, key=lambda r: r["key"])
         ],
     }
+    record["notes"] = notes.strip()
     (target / "results.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -853,6 +859,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="what else ran on the host, for --publish's page",
     )
+    parser.add_argument(
+        "--notes", type=Path, metavar="FILE", help="Markdown for --publish's page, under Notes"
+    )
     parser.add_argument("--child", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -884,7 +893,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "python -m benchmarks.examples " + " ".join(
             sys.argv[1:] if argv is None else argv
         )
-        publish(args.out, args.publish, command, args.host_note)
+        notes = args.notes.read_text() if args.notes else ""
+        publish(args.out, args.publish, command, args.host_note, notes)
     return 0
 
 

@@ -249,8 +249,11 @@ def _runs_on_disk(out: Path) -> None:
 def test_publish_writes_the_tables_the_command_the_dates_and_the_host(tmp_path):
     _runs_on_disk(tmp_path / "out")
     target = tmp_path / "docs"
-    examples.publish(tmp_path / "out", target, "python -m benchmarks.examples X", "shared")
+    examples.publish(
+        tmp_path / "out", target, "python -m benchmarks.examples X", "shared", "One *note*."
+    )
     text = (target / "results.md").read_text()
+    assert "## Notes on these runs\n\nOne *note*.\n" in text
     assert "- Command: `python -m benchmarks.examples X`" in text
     assert "logical CPUs; shared." in text and "seeds [0, 1]" in text
     header = "| Example (metric) | plain Keras | tf_diffmap (default) |"
