@@ -821,7 +821,7 @@ def publish(out: Path, target: Path, command: str, host_note: str, notes: str = 
         "versions": versions,
         "table": table,
         "runs": [
-            {k: v for k, v in r.items() if k not in ("fits", "checkouts", "edited_source")}
+            {k: v for k, v in r.items() if k not in ("checkouts", "edited_source")}
             for r in sorted(runs, key=lambda r: r["key"])
         ],
     }

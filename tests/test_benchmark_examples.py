@@ -265,7 +265,7 @@ def test_publish_writes_the_tables_the_command_the_dates_and_the_host(tmp_path):
     record = json.loads((target / "results.json").read_text())
     assert record["command"] == "python -m benchmarks.examples X"
     assert record["table"]["recommender"]["plain"]["values"] == [0.62, 0.64]
-    assert len(record["runs"]) == 4 and all("fits" not in r for r in record["runs"])
+    assert len(record["runs"]) == 4 and all("checkouts" not in r for r in record["runs"])
 
 
 def test_every_contender_has_a_title_and_a_strategy_name():
