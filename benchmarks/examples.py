@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -890,7 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "examples.md").write_text(text + "\n")
     print(text)
     if args.publish is not None:
-        command = "python -m benchmarks.examples " + " ".join(
+        command = "python -m benchmarks.examples " + shlex.join(
             sys.argv[1:] if argv is None else argv
         )
         notes = args.notes.read_text() if args.notes else ""
