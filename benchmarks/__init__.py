@@ -21,6 +21,9 @@ reports medians. What each table shows is in `docs/benchmarks.md`. Modules:
 - `report`: medians, the targets, and the tables of `results.md`;
 - `plots`: the PNG figures;
 - `checkouts`: the replicas' loops of two checkouts of tf_diffmap, side by side.
+- `examples`: keras-io and keras-rs examples run as written (plain Keras,
+  MirroredStrategy, tf_diffmap), with `example_edits` (the listed edits of
+  their source) and `example_data` (synthetic data in place of downloads).
 
 Nothing in this package is imported by `tf_diffmap` itself, and importing
 `benchmarks` does not import TensorFlow.

@@ -685,3 +685,50 @@ def test_smoke_embeddings(tmp_path):
     assert row["tf_diffmap"] == pytest.approx(scaling)
     plain = eps("plain_keras", 20_000) / eps("plain_keras", 2_000)
     assert f"| sgd | {plain:.2f}x | {scaling:.2f}x |" in markdown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smoke_examples_runner(tmp_path):
+    """One real example (keras-io's structured data with FeatureSpace, 303
+    rows) under plain Keras and tf_diffmap, then the published page. Needs a
+    keras-io checkout (`TF_DIFFMAP_KERAS_IO=PATH`) and pandas; a few minutes
+    on a busy 2-core host, hence slow."""
+    import os
+
+    keras_io = os.environ.get("TF_DIFFMAP_KERAS_IO")
+    if not keras_io:
+        pytest.skip("set TF_DIFFMAP_KERAS_IO to a keras-io checkout")
+    pytest.importorskip("pandas")
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.examples",
+        "--keras-io",
+        keras_io,
+        "--only",
+        "feature_space",
+        "--contenders",
+        "plain",
+        "tf_diffmap",
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+        "--publish",
+        str(docs),
+        "--host-note",
+        "smoke test",
+    ]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((docs / "results.json").read_text())
+    rows = record["table"]["feature_space"]
+    for contender in ("plain", "tf_diffmap"):
+        assert rows[contender]["failed"] == [], (contender, rows[contender])
+        (value,) = rows[contender]["values"]
+        assert 0.0 <= value <= 1.0  # validation accuracy
+    assert rows["tf_diffmap"]["mean_staleness_steps"][0] >= 0
+    markdown = (docs / "results.md").read_text()
+    assert "| feature_space (val_accuracy, higher is better) |" in markdown
