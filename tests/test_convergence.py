@@ -18,7 +18,7 @@ RULES = {
     "plain optimizer": (None, {}),
     "none": ({"staleness": "none"}, {}),
     "drop": ({"staleness": "drop", "drop_above": 6}, {}),
-    "stale steps dropped": (None, {"max_step_staleness": 1}),
+    "every gradient accepted": (None, {"max_step_staleness": None}),
     "plain optimizer per shard": (None, PER_SHARD),
     "inverse": ({"staleness": "inverse"}, PER_SHARD),
     "dc": ({"staleness": "dc"}, PER_SHARD),
