@@ -377,7 +377,9 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     updates = expected_updates(n, batch, 4, 2)
     stats = strategy.statistics()
-    assert strategy.version == updates == int(stats.updates.sum())
+    # Every shard claimed one version: its gradient accepted, or dropped by
+    # the default bound on the staleness in optimizer steps.
+    assert strategy.version == updates == int(stats.updates.sum() + stats.dropped.sum())
     assert int(model.optimizer.iterations.numpy()) == stats.steps == expected_steps(n, batch, 4, 2)
     assert sum(strategy.replica_steps()) == updates
     assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
