@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -61,15 +62,24 @@ def phases(events: dict[str, float], end: float) -> list[dict[str, Any]]:
 
 
 def phase_figures(rows: list[dict[str, Any]], window: dict[str, Any]) -> dict[str, Any]:
-    """Mean rates over the bins that lie wholly inside a phase's window."""
+    """Mean and median rates over the bins that lie wholly inside a phase's
+    window (the median leaves out the pause at the first epoch start after a
+    change of membership, when TensorFlow instantiates its functions again).
+
+    Example:
+        >>> rows = [{"start": t, "end": t + 1, "examples_per_second": e,
+        ...          "updates_per_second": e / 10} for t, e in enumerate([9, 0, 8, 10])]
+        >>> f = phase_figures(rows, {"start": 0, "end": 4})
+        >>> f["examples_per_second"], f["median_examples_per_second"]
+        (6.75, 8.5)
+    """
     inside = [r for r in rows if r["start"] >= window["start"] and r["end"] <= window["end"]]
-    mean = (lambda key: sum(r[key] for r in inside) / len(inside)) if inside else None
-    return {
-        **window,
-        "bins": len(inside),
-        "examples_per_second": mean("examples_per_second") if mean else None,
-        "updates_per_second": mean("updates_per_second") if mean else None,
-    }
+    figures: dict[str, Any] = {**window, "bins": len(inside)}
+    for key in ("examples_per_second", "updates_per_second"):
+        values = [r[key] for r in inside]
+        figures[key] = statistics.fmean(values) if values else None
+        figures[f"median_{key}"] = statistics.median(values) if values else None
+    return figures
 
 
 def run(phase_seconds: float, out: Path) -> dict[str, Any]:
@@ -232,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.phase_seconds, args.out)
     for phase in result["phases"]:
         eps, ups = phase["examples_per_second"], phase["updates_per_second"]
-        shown = "no whole second" if eps is None else f"{eps:9.0f} examples/s {ups:7.1f} updates/s"
+        shown = (
+            "no whole second"
+            if eps is None
+            else f"{eps:6.0f} examples/s {ups:5.1f} updates/s (median "
+            f"{phase['median_examples_per_second']:.0f}, {phase['median_updates_per_second']:.1f})"
+        )
         print(f"{phase['name']:<16} {shown}  ({phase['bins']} s)")
     for key in ("join_seconds", "leave_seconds"):
         if result[key] is not None:
