@@ -59,7 +59,7 @@ from tf_diffmap.cluster.faults import PROBE_SECONDS, serves
 from tf_diffmap.devices import task_parts
 
 if TYPE_CHECKING:
-    from tf_diffmap.runtime import Runtime
+    from tf_diffmap.engine.runtime import Runtime
 
 __all__ = [
     "JOIN_TIMEOUT",
