@@ -45,6 +45,7 @@ EXAMPLES = {
     "tf_diffmap.cluster.connect": 0,
     "tf_diffmap.cluster.fail_fast": 0,
     "tf_diffmap.cluster.main": 0,
+    "tf_diffmap.cluster.membership_of": 0,
     "tf_diffmap.cluster.parse_local_spec": 2,
     "tf_diffmap.cluster.run_local": 0,
     "tf_diffmap.cluster.serve": 0,

@@ -615,3 +615,40 @@ def test_a_call_that_hangs_holding_nothing_is_left_when_it_does_not_take_its_sto
     loops.stop()
     assert sum(runner.steps) == 40 and runner.pending() == 0 and not errors
     assert loops.threads() == []
+
+
+def test_an_absent_replica_joins_and_leaves_and_nothing_is_lost():
+    runner, errors, loops = make(3, steps_per_loop=4, absent=[2])
+    done = []
+    lock = threading.Lock()
+
+    def task(replica):
+        time.sleep(0.002)
+        with lock:
+            done.append(replica)
+
+    assert loops.states()[2] is ReplicaState.ABSENT
+    runner.submit([task] * 40)
+    loops.start()
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert 2 not in done and len(done) == 40
+    assert loops.states()[2] is ReplicaState.ABSENT  # start() leaves it alone
+    loops.join([2])
+    assert loops.states()[2] is ReplicaState.RUNNING
+    runner.submit([task] * 200)
+    while runner.replica_steps()[2] == 0 and runner.pending():
+        time.sleep(0.001)
+    assert loops.leave([2], timeout=10.0) == []
+    assert loops.states()[2] is ReplicaState.ABSENT
+    steps_at_leave = runner.replica_steps()[2]
+    runner.submit([task] * 40)
+    loops.wait_idle(failed=lambda: bool(errors))
+    # Every item applied once, by the replicas present; none after it left.
+    assert len(done) == 280 and runner.pending() == 0 and not errors
+    assert done.count(2) == runner.replica_steps()[2] == steps_at_leave > 0
+    loops.stop()
+    assert loops.threads() == []
+    assert loops.states() == [ReplicaState.STOPPED, ReplicaState.STOPPED, ReplicaState.ABSENT]
+    with pytest.raises(RuntimeError, match="cannot go from absent to running"):
+        with loops._lock:
+            loops._move(2, ReplicaState.RUNNING)

@@ -20,6 +20,7 @@ __all__ = [
     "warn_if_one_replica",
     "inter_op_threads",
     "compute_device",
+    "canonical_device",
     "resolve_devices",
     "task_name",
     "task_parts",
@@ -220,6 +221,15 @@ def task_parts(device: str) -> tuple[str, int, int]:
 
 # How a device name is written, for error messages.
 _DEVICE_FORMS = "'CPU:0', 'GPU:1' or '/job:worker/task:0/device:GPU:1'"
+
+
+def canonical_device(name: str, what: str = "devices") -> str:
+    """The canonical form of a device name, not checked to exist.
+
+    Raises:
+        ValueError: a name that is not a device name, or names no type.
+    """
+    return _canonical(name, what)
 
 
 def _canonical(name: str, what: str = "devices") -> str:

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from tf_diffmap import _tf_internal, scope_watch
 from tf_diffmap.devices import (
+    canonical_device,
     compute_device,
     default_replica_devices,
     resolve_devices,
@@ -94,6 +95,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         gradients_per_step: int = 1,
         max_step_staleness: int | None = None,
         ps_timeout: float | None = None,
+        absent_replicas: Sequence[int] = (),
     ):
         super().__init__(container_strategy)
         self.runtime = Runtime(
@@ -111,6 +113,7 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             gradients_per_step,
             max_step_staleness,
             ps_timeout,
+            absent_replicas,
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
@@ -445,6 +448,14 @@ class Strategy(_tf_internal.StrategyBase):
             the statistics. None accepts every gradient. The default, 1
             (`MAX_STEP_STALENESS`), was chosen on the tuning half of the
             held-out grid.
+        reserved_devices: on a cluster that may grow, the devices of worker
+            tasks that are not in it yet (`tf_diffmap.cluster.
+            strategy_for_cluster(max_workers=...)` names them). Their
+            replicas have their slots from the start, in every per-replica
+            count, and are "absent" until their worker joins; a batch is cut
+            into one shard per replica slot, present or not, and
+            `gradients_per_step="auto"` counts the slots too. Not checked to
+            exist.
 
     Raises:
         ValueError: an unknown or missing device, an empty device list, or an
@@ -477,6 +488,7 @@ class Strategy(_tf_internal.StrategyBase):
         gradients_per_step: int | str = "auto",
         max_step_staleness: int | None = MAX_STEP_STALENESS,
         ps_timeout: float | None = PS_TIMEOUT,
+        reserved_devices: Sequence[str] = (),
     ):
         _tf_internal.check_compatibility()
         _check_int("replicas_per_device", replicas_per_device, 1)
@@ -520,6 +532,9 @@ class Strategy(_tf_internal.StrategyBase):
         replicas = [d for d in base for _ in range(replicas_per_device)]
         if devices is None:
             warn_if_one_replica(replicas)
+        reserved = [canonical_device(d, "reserved_devices") for d in reserved_devices]
+        absent = list(range(len(replicas), len(replicas) + len(reserved) * replicas_per_device))
+        replicas += [d for d in reserved for _ in range(replicas_per_device)]
         if queue_size is not None and queue_size < len(replicas):
             raise ValueError(
                 f"queue_size must hold at least one shard per replica ({len(replicas)}), "
@@ -541,6 +556,7 @@ class Strategy(_tf_internal.StrategyBase):
                 gradients_per_step,
                 max_step_staleness,
                 ps_timeout,
+                absent,
             )
         )
         # A model built outside every scope would train as plain Keras, silently.

@@ -14,7 +14,8 @@ Modules, by job:
 
 * `checks`: the hooks and members relied on, and `check_compatibility`.
 * `distribute`: the strategy's base classes, XLA, `tf.summary` state, the
-  functions a dataset holds, the eager context's cluster.
+  functions a dataset holds, the eager context's cluster (read, renewed, a
+  task added or removed).
 * `variables`: the parameter store's variables (`StoreVariable`, the
   class a store variable is switched to) and the tape records of reads.
 * `row_reads`: reads of large tables by rows inside a replica step.
@@ -50,6 +51,7 @@ from tf_diffmap._tf_internal.distribute import (
     in_xla_context,
     is_mixed_strategy_error,
     reconnect_cluster,
+    set_cluster_task,
 )
 from tf_diffmap._tf_internal.frames import user_stacklevel
 from tf_diffmap._tf_internal.graphs import (
@@ -133,6 +135,7 @@ __all__ = [
     "replica_tracing",
     "resolve_row_reads",
     "rewire_late_uses",
+    "set_cluster_task",
     "settle",
     "user_stacklevel",
     "watch_fit",

@@ -175,6 +175,7 @@ def compatibility_problems() -> list[str]:
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
     problems += _remote_function_problems()
+    problems += _cluster_problems()
     problems += _variable_problems()
     problems += _optimizer_problems()
     problems += _trainer_problems()
@@ -188,6 +189,21 @@ def _remote_function_problems() -> list[str]:
     if STREAMING not in _source(getattr(context, "async_scope", None)):
         return [f"TensorFlow's eager context no longer switches {STREAMING} per block"]
     return []
+
+
+def _cluster_problems() -> list[str]:
+    """What `distribute.cluster_addresses`, `reconnect_cluster` and
+    `set_cluster_task` rely on: the eager context's server definition, read
+    and updated in place."""
+    problems = []
+    if not callable(getattr(context.Context, "get_server_def", None)):
+        problems.append("TensorFlow's eager context has no get_server_def")
+    update = getattr(context.Context, "update_server_def", None)
+    if not callable(update):
+        problems.append("TensorFlow's eager context has no update_server_def")
+    elif list(inspect.signature(update).parameters)[:2] != ["self", "server_def"]:
+        problems.append("Context.update_server_def no longer takes a server_def first")
+    return problems
 
 
 def _variable_problems() -> list[str]:

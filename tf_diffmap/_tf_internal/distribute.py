@@ -11,6 +11,7 @@ eager context is connected to.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -94,5 +95,56 @@ def reconnect_cluster() -> None:
     client knew and makes a new remote context on each task that restarted,
     as `ParameterServerStrategy`'s recovery does; the other tasks keep theirs.
     """
-    ctx = context.context()
-    ctx.update_server_def(ctx.get_server_def())
+    with _server_def_lock:
+        ctx = context.context()
+        ctx.update_server_def(ctx.get_server_def())
+
+
+def set_cluster_task(job: str, index: int, address: str | None) -> None:
+    """Adds a task to the cluster this client is connected to, or with
+    `address` None removes it, while everything else runs on.
+
+    TensorFlow's own mechanism for a cluster that changes
+    (`update_server_def`): for a task added, the client lists its devices,
+    makes a remote context on it and sends it every function registered so
+    far (without waiting for the replies); every other task is told the new
+    cluster (an `UpdateContext` request, which each answers), so that it
+    can exchange tensors with the new one. A function traced earlier for a
+    device of the new task runs there from then on. For a task removed, the
+    client closes its remote context and waits for the reply: remove a task
+    only while it still serves. Calls running on the other tasks go on.
+
+    Args:
+        job: the task's job, `"worker"`.
+        index: the task's index in its job.
+        address: its `host:port`, or None to remove it.
+
+    Raises:
+        ValueError: the client is not connected to a cluster.
+        tf.errors.OpError: what the runtime raised (a task added that does
+            not serve).
+    """
+    with _server_def_lock:
+        ctx = context.context()
+        current = ctx.get_server_def()
+        if current is None:
+            raise ValueError("This process is not connected to a cluster.")
+        updated = type(current)()
+        updated.CopyFrom(current)
+        tasks = next((j.tasks for j in updated.cluster.job if j.name == job), None)
+        if tasks is None:
+            tasks = updated.cluster.job.add(name=job).tasks
+        if address is None:
+            if index not in tasks:
+                return
+            del tasks[index]
+        else:
+            if tasks.get(index) == address:
+                return
+            tasks[index] = address
+        ctx.update_server_def(updated)
+
+
+# One change of the cluster at a time: each reads the server definition and
+# writes a new one.
+_server_def_lock = threading.Lock()

@@ -25,12 +25,20 @@ or `LocalCluster` start the worker and ps processes.
 Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
 `server` (`serve`, and `main`, the command line), `local` (`LocalCluster`),
 `faults` (lost tasks and their replicas: `ClusterRecord`), `inputs`
-(input built on the workers: `WorkerInput`) and `partition` (a network
-partition on one machine, for tests: `PartitionProxy`). A strategy on one host
+(input built on the workers: `WorkerInput`), `membership` (workers that
+join and leave a running cluster: `Membership`), `member` (a worker's side
+of it) and `partition` (a network partition on one machine, for tests:
+`PartitionProxy`). A strategy on one host
 imports none of them.
 """
 
-from tf_diffmap.cluster.connect import CONNECT_TIMEOUT, connect, fail_fast, strategy_for_cluster
+from tf_diffmap.cluster.connect import (
+    CONNECT_TIMEOUT,
+    connect,
+    fail_fast,
+    membership_of,
+    strategy_for_cluster,
+)
 from tf_diffmap.cluster.local import LocalCluster, parse_local_spec, run_local
 from tf_diffmap.cluster.partition import PartitionProxy
 from tf_diffmap.cluster.server import main, serve
@@ -42,6 +50,7 @@ __all__ = [
     "connect",
     "fail_fast",
     "main",
+    "membership_of",
     "parse_local_spec",
     "run_local",
     "serve",

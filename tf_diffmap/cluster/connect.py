@@ -18,6 +18,7 @@ __all__ = [
     "check_client",
     "connect",
     "fail_fast",
+    "membership_of",
     "resolve_cluster",
     "strategy_for_cluster",
 ]
@@ -155,13 +156,31 @@ def connect(
     return replicas, store
 
 
-def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT_TIMEOUT, **kwargs):
+def strategy_for_cluster(
+    cluster_resolver=None,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    max_workers: int | None = None,
+    membership_port: int | None = None,
+    **kwargs,
+):
     """A `tf_diffmap.Strategy` over the cluster's workers, its store on the ps tasks.
 
     Args:
         cluster_resolver: the cluster; by default read from `TF_CONFIG`.
         connect_timeout: seconds to wait for every worker and ps task to
             serve before raising `tf.errors.UnavailableError` naming them.
+        max_workers: the most worker tasks the cluster may grow to while it
+            trains (elastic membership, `tf_diffmap.cluster.membership`);
+            None (default): the workers of the cluster spec, and no others.
+            Every worker slot's replicas have their place from the start
+            (absent until a worker joins), a batch is cut into one shard per
+            slot's replica, and `gradients_per_step="auto"` is one per slot's
+            replica: one optimizer step per batch, whoever is present.
+            Workers join and leave through an endpoint the chief serves
+            (`python -m tf_diffmap.cluster --join ADDRESS`).
+        membership_port: the port of that endpoint; by default the chief's
+            own port in the cluster spec plus one (0: any free port, read
+            it from `membership_of(strategy).port`).
         **kwargs: other `Strategy` options (`replicas_per_device`,
             `max_staleness`, `queue_size`, `variable_partitioner`).
 
@@ -182,8 +201,75 @@ def strategy_for_cluster(cluster_resolver=None, connect_timeout: float = CONNECT
     # as it loads.
     from tf_diffmap.strategy import Strategy
 
-    replicas, store = connect(cluster_resolver, connect_timeout)
-    strategy = Strategy(devices=replicas, parameter_device=store, **kwargs)
+    resolver = resolve_cluster(cluster_resolver)
+    spec = check_client(resolver)
+    if max_workers is not None:
+        port = _membership_port(resolver, spec, membership_port)
+        workers = _task_indices(spec["worker"])
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int):
+            raise ValueError(f"max_workers must be None or an int, received {max_workers!r}.")
+        if max_workers < len(workers):
+            raise ValueError(
+                f"max_workers={max_workers} is below the {len(workers)} worker tasks of the "
+                "cluster spec; give at least as many, or None for a cluster that does not grow."
+            )
+    replicas, store = connect(resolver, connect_timeout)
+    reserved = []
+    if max_workers is not None:
+        free = [i for i in range(max_workers + max(workers) + 1) if i not in workers]
+        free = free[: max_workers - len(workers)]
+        reserved = _slot_devices(replicas, workers[0], free)
+    strategy = Strategy(
+        devices=replicas, parameter_device=store, reserved_devices=reserved, **kwargs
+    )
+    runtime = strategy.extended.runtime
     # Datasets given to the strategy are built on the workers themselves.
-    strategy.extended.runtime.read_input_on_workers()
+    runtime.read_input_on_workers()
+    if max_workers is not None:
+        from tf_diffmap.cluster.membership import Membership
+
+        runtime.membership = Membership(
+            runtime,
+            {i: spec["worker"][i] for i in workers},
+            spec,
+            port,
+        )
     return strategy
+
+
+def membership_of(strategy):
+    """The `Membership` of a strategy made with `max_workers`, or None.
+
+    Its `port` is the endpoint's, `states()` each worker slot's state.
+    """
+    return getattr(strategy.extended.runtime, "membership", None)
+
+
+def _task_indices(tasks) -> list[int]:
+    return sorted(tasks) if isinstance(tasks, dict) else list(range(len(tasks)))
+
+
+def _membership_port(resolver, spec: dict, port: int | None) -> int:
+    """The membership endpoint's port: given, or the chief's own plus one."""
+    if port is not None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"membership_port must be a port number, received {port!r}.")
+        return port
+    from tf_diffmap.cluster.membership import MEMBERSHIP_PORT_OFFSET
+
+    tasks = spec.get(resolver.task_type) or []
+    own = tasks.get(resolver.task_id) if isinstance(tasks, dict) else tasks[resolver.task_id]
+    try:
+        return int(own.rpartition(":")[2]) + MEMBERSHIP_PORT_OFFSET
+    except (AttributeError, ValueError):
+        raise ValueError(
+            f"This task's address ({own!r}) has no port to serve the membership endpoint "
+            "beside; give membership_port=... ."
+        ) from None
+
+
+def _slot_devices(replicas: list[str], template: int, free: list[int]) -> list[str]:
+    """The devices of worker tasks `free`, as those of worker `template` are."""
+    prefix = f"/job:worker/replica:0/task:{template}/"
+    kinds = [d[len(prefix) :] for d in replicas if d.startswith(prefix)]
+    return [f"/job:worker/replica:0/task:{i}/{kind}" for i in free for kind in kinds]

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.devices import task_name
+from tf_diffmap.devices import task_name, task_parts
 from tf_diffmap.engine.replicas import ReplicaRecord, named_tasks, short_message, with_cause
 
 __all__ = [
@@ -211,11 +211,20 @@ class Rejoiner:
     Args:
         on_back: called with the task name of a worker that serves again.
         address_of: a task name to its `host:port`.
+        reconnect: `task -> bool`, reconnects the cluster for a worker that
+            serves again; False: not now (tried again at the next probe).
+            By default `_tf_internal.reconnect_cluster`.
     """
 
-    def __init__(self, on_back: Callable[[str], None], address_of: Callable[[str], str | None]):
+    def __init__(
+        self,
+        on_back: Callable[[str], None],
+        address_of: Callable[[str], str | None],
+        reconnect: Callable[[str], bool] | None = None,
+    ):
         self._on_back = on_back
         self._address_of = address_of
+        self._reconnect = reconnect or (lambda task: _tf_internal.reconnect_cluster() or True)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._lost: set[str] = set()
@@ -237,6 +246,11 @@ class Rejoiner:
     def lost(self) -> set[str]:
         with self._lock:
             return set(self._lost)
+
+    def forget(self, task: str) -> None:
+        """Stops probing a lost worker that is gone for good (it left)."""
+        with self._lock:
+            self._lost.discard(task)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
@@ -262,7 +276,8 @@ class Rejoiner:
                 if address is None or not serves(address, PROBE_SECONDS / 2):
                     continue
                 try:
-                    _tf_internal.reconnect_cluster()
+                    if not self._reconnect(task):
+                        continue
                     self._on_back(task)
                 except Exception as error:  # noqa: BLE001 - tried again at the next probe
                     logger.warning("%s serves again but did not rejoin: %s", task, error)
@@ -272,6 +287,22 @@ class Rejoiner:
             with self._lock:
                 if not self._stopping:
                     self._wake.wait(PROBE_SECONDS)
+
+
+def accepts(address: str, timeout: float) -> bool:
+    """Whether anything accepts a TCP connection at `address` within
+    `timeout`: a server, or a paused one (its kernel still accepts)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _set_task(task: str, address: str | None) -> None:
+    job, _, index = task_parts(task)
+    _tf_internal.set_cluster_task(job, index, address)
 
 
 def serves(address: str, timeout: float) -> bool:
@@ -349,25 +380,92 @@ class ClusterRecord(ReplicaRecord):
         on_back: `(task, replica_ids) -> None`, called from the rejoiner's
             thread once a lost worker serves again and the cluster is
             reconnected: rebuild its input and restart its replicas.
+        absent: the replicas whose slot no worker holds yet (a cluster
+            that grows, `tf_diffmap.cluster.membership`).
     """
 
     def __init__(
         self,
         replica_devices: Sequence[str],
         on_back: Callable[[str, list[int]], None],
+        absent: Sequence[int] = (),
     ):
-        super().__init__(replica_devices)
+        super().__init__(replica_devices, absent)
         self._on_back = on_back
         self._faults_lock = threading.Lock()
         self._retries: dict[int, list[float]] = {}
         self.ps_lost: Fault | None = None
-        self.rejoiner = Rejoiner(
-            self._back, lambda task: _tf_internal.cluster_addresses().get(task)
-        )
+        # Lost workers taken out of the cluster, with their addresses.
+        self._removed: dict[str, str] = {}
+        self._cluster_lock = threading.Lock()
+        self.rejoiner = Rejoiner(self._back, self.address_of, self._reconnect)
 
     def replicas_of(self, task: str) -> list[int]:
         """The replicas on a task."""
         return [r for r, d in enumerate(self.replica_devices) if task_name(d) == task]
+
+    def address_of(self, task: str) -> str | None:
+        """A task's `host:port`: in the cluster, or taken out while lost."""
+        return _tf_internal.cluster_addresses().get(task) or self._removed.get(task)
+
+    def change_cluster(
+        self,
+        add: dict[str, str] | None = None,
+        remove: Sequence[str] = (),
+        keep: Sequence[str] = (),
+    ) -> bool:
+        """Adds and removes worker tasks of the eager context's cluster.
+
+        TensorFlow's `update_server_def` asks every task of the cluster for
+        its state and waits for each: one that is down holds it until it
+        serves again (the client waits for its devices), and one that is
+        paused or cut off until it answers. So the workers lost or gone
+        that are still in the cluster are taken out first, those that
+        refuse connections (down: the client's request fails at once), and
+        their addresses kept for their rejoining; while one accepts a
+        connection without serving (paused, cut off, starting), nothing
+        changes.
+
+        Args:
+            add: worker tasks to add, with their addresses.
+            remove: worker tasks to remove (they must still serve).
+            keep: lost tasks not to take out (one that rejoins).
+
+        Returns:
+            Whether the cluster was changed; False: not now.
+        """
+        add = dict(add or {})
+        with self._cluster_lock:
+            addresses = _tf_internal.cluster_addresses()
+            gone = {task_name(self.replica_devices[r]) for r in self.lost() | self.absent()}
+            gone = [t for t in sorted(gone) if t in addresses and t not in remove and t not in keep]
+            if any(accepts(addresses[t], PROBE_SECONDS) for t in gone):
+                return False
+            lost = self.lost_tasks()
+            for task in gone:
+                if task in lost:
+                    self._removed[task] = addresses[task]
+                _set_task(task, None)
+            for task in remove:
+                _set_task(task, None)
+            for task, address in add.items():
+                _set_task(task, address)
+                self._removed.pop(task, None)
+        self._quiet_tasks()
+        return True
+
+    def lost_tasks(self) -> set[str]:
+        """The worker tasks whose replicas are lost now."""
+        return {task_name(self.replica_devices[r]) for r in self.lost()}
+
+    def _reconnect(self, task: str) -> bool:
+        """The cluster, reconnected for a lost worker that serves again."""
+        if task in self._removed:
+            return self.change_cluster(add={task: self._removed[task]}, keep=[task])
+        if not self.change_cluster(keep=[task]):
+            return False
+        _tf_internal.reconnect_cluster()
+        return True
 
     def verdict(self, replica_id: int, error: BaseException) -> tuple[str, BaseException | None]:
         """What a replica's error means: (next state, error to raise or None)."""
@@ -390,7 +488,7 @@ class ClusterRecord(ReplicaRecord):
             return super().verdict(replica_id, error)
         lost = self.replicas_of(fault.task)
         first, now_lost = self._mark_lost(lost, error=error, again=False)
-        if len(now_lost) == len(self.replica_devices):
+        if len(now_lost | self.absent()) == len(self.replica_devices):
             self.rejoiner.stop(timeout=0)
             tasks = sorted({task_name(self.replica_devices[r]) for r in now_lost})
             return "failed", lost_replicas_error(tasks, error)
@@ -472,10 +570,20 @@ class ClusterRecord(ReplicaRecord):
         super()._mark_running(replicas)
         self._quiet_tasks()
 
+    def mark_absent(self, replicas) -> None:
+        """Replicas whose worker left: not probed, nor waited for, any more."""
+        replicas = list(replicas)
+        super().mark_absent(replicas)
+        for task in {task_name(self.replica_devices[r]) for r in replicas}:
+            self.rejoiner.forget(task)
+        self._quiet_tasks()
+
     def _quiet_tasks(self) -> None:
-        """No remote request waits for the workers lost or hung now (a
-        function registered or dropped, `_tf_internal.quiet_tasks`)."""
-        _tf_internal.quiet_tasks({task_name(self.replica_devices[r]) for r in self.lost()})
+        """No remote request waits for the workers lost or hung now, nor for
+        those that left and are still in the cluster (a function registered
+        or dropped, `_tf_internal.quiet_tasks`)."""
+        gone = {task_name(self.replica_devices[r]) for r in self.lost() | self.absent()}
+        _tf_internal.quiet_tasks(gone & set(_tf_internal.cluster_addresses()))
 
     def _back(self, task: str) -> None:
         replicas = self.replicas_of(task)

@@ -45,12 +45,20 @@ class WorkerInput:
     a lost worker's share of the steps is taken to be the mean of the live
     workers' shares.
 
+    The data is split over the worker tasks *present*: those of the
+    cluster, lost ones included (they are expected back), but not the slots
+    of a growing cluster that no worker holds (`absent`). When a worker
+    joins or leaves, the data is split anew over the workers present then
+    (`reshard`): each one's pipeline is rebuilt for its new part, from its
+    beginning.
+
     Args:
         worker_hosts: per replica, the CPU device of its worker task.
         dataset: a dataset of global batches, or None with `dataset_fn`.
         dataset_fn: `InputContext -> tf.data.Dataset` of per-replica batches.
         failed: the strategy's failure flag (ends the chief's tokens).
         lost: the worker tasks (`/job:worker/replica:0/task:<N>`) lost now.
+        absent: the worker tasks of slots no worker holds now.
     """
 
     def __init__(
@@ -60,12 +68,17 @@ class WorkerInput:
         dataset: tf.data.Dataset | None = None,
         dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset] | None = None,
         lost: Collection[str] = (),
+        absent: Collection[str] = (),
     ):
         self.worker_hosts = list(worker_hosts)
         self.workers = list(dict.fromkeys(self.worker_hosts))
         num_replicas = len(self.worker_hosts)
         num_workers = len(self.workers)
-        live = [i for i, host in enumerate(self.workers) if task_name(host) not in lost]
+        # The workers that read the data (its parts, in this order).
+        self.members = [i for i, host in enumerate(self.workers) if task_name(host) not in absent]
+        live = [i for i in self.members if task_name(self.workers[i]) not in lost]
+        # Iterators replaced while loop calls may still read them.
+        self._retired: list = []
         self._dataset_fn = dataset_fn
         self._graph = None
         # The functions of the dataset given, which is rebuilt from its graph
@@ -107,7 +120,7 @@ class WorkerInput:
             element_spec = self.datasets[live[0]].element_spec
             steps = None
             if min(cardinalities) >= 0:
-                steps_total = sum(cardinalities) * num_workers / len(live)
+                steps_total = sum(cardinalities) * len(self.members) / len(live)
                 steps = -(-round(steps_total) // num_replicas)
         # What the workers' iterators yield (per-replica batches).
         self.element_spec = self.datasets[live[0]].element_spec
@@ -126,12 +139,13 @@ class WorkerInput:
             rebuilt = tf.data.experimental.from_variant(
                 tf.raw_ops.DatasetFromGraph(graph_def=self._graph), self._source_spec
             )
-            return rebuilt.shard(len(self.workers), index).rebatch(self._per_replica).repeat()
+            part = rebuilt.shard(len(self.members), self.members.index(index))
+            return part.rebatch(self._per_replica).repeat()
 
     def _made_by_function(self, index: int) -> tuple[tf.data.Dataset, int]:
         context = tf.distribute.InputContext(
-            num_input_pipelines=len(self.workers),
-            input_pipeline_id=index,
+            num_input_pipelines=len(self.members),
+            input_pipeline_id=self.members.index(index),
             num_replicas_in_sync=len(self.worker_hosts),
         )
         with tf.device(self.workers[index]):
@@ -156,13 +170,49 @@ class WorkerInput:
                 its position.
         """
         for index, host in enumerate(self.workers):
+            if index not in self.members:
+                continue
             if task_name(host) == task and (restarted or self.datasets[index] is None):
-                if self._graph is not None:
-                    self.datasets[index] = self._pipeline(index)
-                else:
-                    self.datasets[index] = self._made_by_function(index)[0]
-                self.iterators[index] = self._iterator(index)
+                self._build(index)
                 _tf_internal.settle([task])
+        self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
+
+    def _build(self, index: int) -> None:
+        """Worker `index`'s pipeline and iterator, for its part now."""
+        if self._graph is not None:
+            self.datasets[index] = self._pipeline(index)
+        else:
+            self.datasets[index] = self._made_by_function(index)[0]
+        self.iterators[index] = self._iterator(index)
+
+    def reshard(self, lost: Collection[str], absent: Collection[str]) -> None:
+        """Splits the data anew over the workers present now: a worker
+        joined or left.
+
+        Every present worker that serves gets a pipeline for its new part,
+        from its beginning; a lost one gets its own when it rejoins. The
+        iterators replaced on workers that stay are kept until this input
+        is dropped, since a loop call may still be reading one; those of
+        workers that left are let go now, while they still serve.
+
+        Args:
+            lost: the worker tasks lost now.
+            absent: the worker tasks of slots no worker holds now.
+        """
+        members = [i for i, host in enumerate(self.workers) if task_name(host) not in absent]
+        if members == self.members:
+            return
+        self.members = members
+        built = []
+        for index, host in enumerate(self.workers):
+            if self.iterators[index] is not None and index in members:
+                self._retired.append((self.datasets[index], self.iterators[index]))
+            self.datasets[index] = None
+            self.iterators[index] = None
+            if index in members and task_name(host) not in lost:
+                self._build(index)
+                built.append(task_name(host))
+        _tf_internal.settle(built)
         self._iterator_of = [self.iterators[self.workers.index(h)] for h in self.worker_hosts]
 
     def functions(self) -> list:
@@ -172,7 +222,8 @@ class WorkerInput:
         the remote tasks (`_tf_internal.dataset_functions`).
         """
         found = list(self._source_functions)
-        for dataset in [*self.datasets, self.tokens]:
+        retired = [dataset for dataset, _ in self._retired]
+        for dataset in [*self.datasets, *retired, self.tokens]:
             if dataset is not None:
                 found.extend(_tf_internal.dataset_functions(dataset))
         return found

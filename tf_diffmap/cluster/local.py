@@ -48,6 +48,7 @@ class _Task:
     stderr_path: Path | None = None
     launches: int = 0
     killed: bool = False  # stopped on purpose by `kill`, not a failure
+    joined: bool = False  # started by `join_worker`: asks the chief for its slot
 
     @property
     def name(self) -> str:
@@ -121,6 +122,12 @@ class LocalCluster:
         listen_ports: per `(task_type, index)`, a port that task listens on
             instead of its address's, which something else (a
             `PartitionProxy`) then serves, relaying to it.
+        elastic: the chief may let workers join and leave
+            (`strategy_for_cluster(max_workers=...,
+            membership_port=local.membership_port)`): a free port is kept
+            for its membership endpoint, every worker is started with
+            `--join` (so SIGTERM makes it leave, see `leave`), and
+            `join_worker` starts more.
 
     Raises:
         ValueError: a count below 1 or a `cpus_per_worker` below 1.
@@ -149,6 +156,7 @@ class LocalCluster:
         log_dir: str | os.PathLike | None = None,
         env: Mapping[str, str] | None = None,
         listen_ports: Mapping[tuple[str, int], int] | None = None,
+        elastic: bool = False,
     ) -> None:
         for name, value in (("workers", workers), ("ps", ps), ("cpus_per_worker", cpus_per_worker)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -167,7 +175,13 @@ class LocalCluster:
         self._failed = False
 
         counts = {"worker": workers, "ps": ps, "chief": 1 if chief else 0}
-        ports = iter(free_ports(sum(counts.values()), host))
+        ports = iter(free_ports(sum(counts.values()) + 1, host))
+        self._host = host
+        self.elastic = elastic
+        # The chief's membership endpoint, when it is elastic.
+        self.membership_port = next(ports)
+        # Workers started by `join_worker`, by the index the chief gave them.
+        self._joined: dict[int, _Task] = {}
         self._spec = {
             job: [f"{host}:{next(ports)}" for _ in range(n)] for job, n in counts.items() if n
         }
@@ -230,7 +244,9 @@ class LocalCluster:
     @property
     def pids(self) -> dict[tuple[str, int], int]:
         """The pid of each started task's latest process, by `(task_type, index)`."""
-        return {key: t.process.pid for key, t in self._tasks.items() if t.process is not None}
+        pids = {key: t.process.pid for key, t in self._tasks.items() if t.process is not None}
+        pids.update({("worker", i): t.process.pid for i, t in self._joined.items()})
+        return pids
 
     @property
     def log_dir(self) -> Path | None:
@@ -293,8 +309,16 @@ class LocalCluster:
                 live.append(task.process)
             elif task.process is not None and not task.killed:
                 self._failed = True  # it exited on its own
+        for task in self._joined.values():
+            if task.running():
+                live.append(task.process)
         for process in live:
-            process.terminate()
+            if process.stdin is not None and self.elastic:
+                # Ended at once, not asked to leave (SIGTERM would make an
+                # elastic worker ask a chief that may be gone).
+                process.stdin.close()
+            else:
+                process.terminate()
         deadline = time.monotonic() + self._stop_timeout
         for process in live:
             try:
@@ -302,7 +326,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for task in self._tasks.values():
+        for task in [*self._tasks.values(), *self._joined.values()]:
             if task.process is not None and task.process.stdin is not None:
                 task.process.stdin.close()
         if self._given_log_dir is None and not self._failed and self._log_dir is not None:
@@ -354,6 +378,73 @@ class LocalCluster:
         self._wait_serving([task])
         return task.process.pid
 
+    @property
+    def membership_address(self) -> str:
+        """Where an elastic chief serves its membership endpoint."""
+        return f"{self._host}:{self.membership_port}"
+
+    def join_worker(self) -> tuple[int, int]:
+        """Starts one more worker, which asks the chief for a slot, joins
+        the cluster, and serves (`python -m tf_diffmap.cluster --join`).
+
+        Returns:
+            The worker's index, given by the chief, and its pid, once it
+            serves.
+
+        Raises:
+            RuntimeError: the cluster is not started or not elastic, or the
+                worker exited before serving (the chief refused it).
+            TimeoutError: it did not serve within `start_timeout`.
+        """
+        if self._state != "started" or not self.elastic:
+            raise RuntimeError(
+                "join_worker needs a started LocalCluster(elastic=True), and a chief made "
+                "with strategy_for_cluster(max_workers=..., membership_port="
+                "local.membership_port)."
+            )
+        (port,) = free_ports(1, self._host)
+        task = _Task("worker", -1 - len(self._joined), f"{self._host}:{port}", joined=True)
+        self._launch(task)
+        self._wait_serving([task])
+        index = self._served_index(task)
+        task.index = index
+        self._joined[index] = task
+        return index, task.process.pid
+
+    def leave(self, index: int, timeout: float = 60.0) -> float:
+        """Asks worker `index` to leave as a scale-down or a preemption
+        notice does: SIGTERM, after which it asks the chief to let it go
+        and exits once its replicas are out. Waits for it to exit.
+
+        Returns:
+            The seconds from the signal to its exit.
+
+        Raises:
+            ValueError: no such worker running.
+            TimeoutError: it did not exit within `timeout` (it is then killed).
+        """
+        task = self._joined.get(index) or self._tasks.get(("worker", index))
+        if task is None or not task.running():
+            raise ValueError(f"worker {index} is not running.")
+        task.killed = True  # stopped on purpose
+        started = time.monotonic()
+        task.process.send_signal(signal.SIGTERM)
+        try:
+            task.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            task.process.kill()
+            task.process.wait()
+            raise TimeoutError(
+                f"worker {index} did not exit within {timeout:g} s of SIGTERM."
+            ) from None
+        return time.monotonic() - started
+
+    def _served_index(self, task: _Task) -> int:
+        for line in task.stdout_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"serving"' in line:
+                return int(json.loads(line)["index"])
+        raise RuntimeError(f"{task.name} printed no index")
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 
@@ -377,6 +468,8 @@ class LocalCluster:
             )
 
     def _server_task(self, task_type: str, index: int) -> _Task:
+        if task_type == "worker" and index in self._joined:
+            return self._joined[index]
         self._check_task(task_type, index)
         if task_type not in SERVER_JOBS:
             raise ValueError(
@@ -387,12 +480,19 @@ class LocalCluster:
 
     def _launch(self, task: _Task) -> None:
         task.launches += 1
-        stem = f"{task.job}-{task.index}" + (f".{task.launches}" if task.launches > 1 else "")
+        name = (
+            f"joined-{task.address.rpartition(':')[2]}"
+            if task.joined
+            else f"{task.job}-{task.index}"
+        )
+        stem = name + (f".{task.launches}" if task.launches > 1 else "")
         task.stdout_path = self._log_dir / f"{stem}.out"
         task.stderr_path = self._log_dir / f"{stem}.err"
         command = [sys.executable, "-m", "tf_diffmap.cluster", "--exit-when-stdin-closes"]
         if task.job == "worker" and self._cpus_per_worker > 1:
             command += ["--logical-cpus", str(self._cpus_per_worker)]
+        if task.job == "worker" and self.elastic:
+            command += ["--join", self.membership_address]
         if (task.job, task.index) in self._listen_ports:
             command += ["--port", str(self._listen_ports[(task.job, task.index)])]
         # The servers import the same tf_diffmap as this process.
@@ -403,8 +503,12 @@ class LocalCluster:
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONPATH": python_path,
             **self._env,
-            "TF_CONFIG": self.tf_config(task.job, task.index),
         }
+        if not task.joined:
+            env["TF_CONFIG"] = self.tf_config(task.job, task.index)
+        else:  # a worker that asks the chief for its slot (at its address again, if restarted)
+            env.pop("TF_CONFIG", None)
+            command += ["--address", task.address]
         with open(task.stdout_path, "wb") as out, open(task.stderr_path, "wb") as err:
             task.process = subprocess.Popen(
                 command,

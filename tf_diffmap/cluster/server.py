@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_diffmap.cluster.connect import fail_fast, resolve_cluster
 from tf_diffmap.cluster.local import parse_local_spec, run_local
 
-__all__ = ["check_server", "main", "serve"]
+__all__ = ["check_server", "main", "serve", "start_server"]
 
 
 def serve(
@@ -54,6 +54,45 @@ def serve(
         os.environ["TF_CONFIG"] = config
     resolver = resolve_cluster()
     check_server(resolver)
+    server = start_server(
+        resolver.cluster_spec(),
+        resolver.task_type,
+        resolver.task_id,
+        logical_cpus,
+        port,
+        exit_when_stdin_closes,
+        resolver.rpc_layer or "grpc",
+    )
+    # `join` blocks in C++, where Python never sees the KeyboardInterrupt of a
+    # Ctrl-C; the default action ends the process instead.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    server.join()
+
+
+def start_server(
+    cluster: tf.train.ClusterSpec,
+    job: str,
+    index: int,
+    logical_cpus: int = 1,
+    port: int | None = None,
+    exit_when_stdin_closes: bool = False,
+    protocol: str = "grpc",
+) -> tf.distribute.Server:
+    """Starts this task's server and says so on standard output (one JSON
+    line with `"serving"`, which `LocalCluster` waits for).
+
+    Args:
+        cluster: the cluster, which names this task.
+        job: this task's job.
+        index: this task's index.
+        logical_cpus: logical CPU devices to make of the CPU.
+        port: a port to listen on other than the one of its address.
+        exit_when_stdin_closes: exit once standard input reaches its end.
+        protocol: the RPC layer.
+
+    Returns:
+        The running server.
+    """
     # The server makes its devices from its own session config, not from
     # tf.config's logical device configuration.
     fail_fast()
@@ -61,26 +100,15 @@ def serve(
     if logical_cpus > 1:
         session_config = tf.compat.v1.ConfigProto(device_count={"CPU": logical_cpus})
     server_def = tf.train.ServerDef(
-        cluster=resolver.cluster_spec().as_cluster_def(),
-        job_name=resolver.task_type,
-        task_index=resolver.task_id,
-        protocol=resolver.rpc_layer or "grpc",
+        cluster=cluster.as_cluster_def(), job_name=job, task_index=index, protocol=protocol
     )
     if port is not None:
         server_def.port = port
     server = tf.distribute.Server(server_def, config=session_config, start=True)
     if exit_when_stdin_closes:
         threading.Thread(target=_exit_at_end_of_stdin, daemon=True).start()
-    print(
-        json.dumps(
-            {"serving": resolver.task_type, "index": resolver.task_id, "target": server.target}
-        ),
-        flush=True,
-    )
-    # `join` blocks in C++, where Python never sees the KeyboardInterrupt of a
-    # Ctrl-C; the default action ends the process instead.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    server.join()
+    print(json.dumps({"serving": job, "index": index, "target": server.target}), flush=True)
+    return server
 
 
 def check_server(resolver: tf.distribute.cluster_resolver.ClusterResolver) -> None:
@@ -168,6 +196,23 @@ def main(argv: list[str] | None = None) -> int:
         "(when the others reach it through a relay)",
     )
     parser.add_argument(
+        "--join",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="CHIEF_ENDPOINT",
+        help="join a running cluster through the chief's membership endpoint (HOST:PORT; "
+        "by default TF_CONFIG's chief at its port + 1), serve, and leave it on SIGTERM: with "
+        "TF_CONFIG as the worker it names, without one at --address in a slot the chief gives",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --join and no TF_CONFIG: where the others reach this worker "
+        "(default: this host's name and a free port)",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=int,
         default=3,
@@ -187,6 +232,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-restarts needs N >= 0, received {args.max_restarts}.")
     if command is not None and args.local is None:
         parser.error("A command after -- is run as the chief of --local; add --local.")
+    if args.join is not None:
+        if args.local is not None:
+            parser.error("--join serves one worker; it does not go with --local.")
+        from tf_diffmap.cluster.member import join_and_serve
+
+        try:
+            return join_and_serve(
+                membership=args.join or None,
+                address=args.address,
+                config=args.tf_config,
+                logical_cpus=args.logical_cpus,
+                port=args.port,
+                exit_when_stdin_closes=args.exit_when_stdin_closes,
+            )
+        except ValueError as error:
+            parser.error(str(error))
+    if args.address is not None:
+        parser.error("--address goes with --join.")
     if args.local is None:
         serve(args.tf_config, args.logical_cpus, args.exit_when_stdin_closes, args.port)
         return 0

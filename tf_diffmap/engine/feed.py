@@ -72,6 +72,7 @@ class StepFeed:
             worker_timeout=runtime.worker_timeout,
             hangs=runtime,
             stall_timeout=runtime.ps_timeout,
+            absent=runtime.absent_replicas(),
         )
         runtime.add_feed(self)
 
@@ -171,7 +172,10 @@ class StepFeed:
             self.loop_concretes[replica] = concrete
             self._loop_calls[replica] = (concrete, named)
             # A first call (of no steps) prepares the function for running
-            # here, once, rather than in a replica's first loop call.
+            # here, once, rather than in a replica's first loop call; not
+            # where no worker serves (lost, or a slot no worker holds yet).
+            if replica in runtime.absent_replicas():
+                continue
             if self.loops is None or self.loops.states()[replica] is not ReplicaState.LOST:
                 concrete(*named, tf.constant(0, tf.int32), *self._sources(replica))
 
@@ -453,6 +457,12 @@ class StepFeed:
 
     def rejoin(self, replica_ids: Sequence[int]) -> None:
         self.loops.rejoin(replica_ids)
+
+    def join(self, replica_ids: Sequence[int]) -> None:
+        self.loops.join(replica_ids)
+
+    def leave(self, replica_ids: Sequence[int], timeout: float | None) -> list[int]:
+        return self.loops.leave(replica_ids, timeout)
 
     def states(self) -> list[ReplicaState]:
         return self.loops.states()

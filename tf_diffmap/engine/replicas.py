@@ -60,7 +60,9 @@ class ReplicaReport:
     Attributes:
         replica: the replica id.
         device: the replica's device.
-        state: "running", "stopped", "failed", "lost" or "rejoining".
+        state: "running", "stopped", "failed", "lost" or "rejoining"; on a
+            cluster that grows and shrinks also "absent" (no worker holds
+            its slot: not joined yet, or left), "joining" or "leaving".
         since: wall-clock time (`time.time()`) of the last change of state
             caused by a fault, or None.
         error: the error that made it lost, while it is lost; None once it
@@ -134,13 +136,15 @@ class ReplicaRecord:
 
     Args:
         replica_devices: the device of each replica.
+        absent: the replicas whose slot no worker holds yet.
     """
 
-    def __init__(self, replica_devices: Sequence[str]):
+    def __init__(self, replica_devices: Sequence[str], absent: Iterable[int] = ()):
         self.replica_devices = list(replica_devices)
         self._lock = threading.Lock()
+        self._absent: set[int] = set(absent)
         self._reports = [
-            ReplicaReport(replica=r, device=d, state="running")
+            ReplicaReport(replica=r, device=d, state="absent" if r in self._absent else "running")
             for r, d in enumerate(self.replica_devices)
         ]
         self._lost: set[int] = set()
@@ -187,6 +191,11 @@ class ReplicaRecord:
         """The replicas lost now."""
         with self._lock:
             return set(self._lost)
+
+    def absent(self) -> set[int]:
+        """The replicas whose slot no worker holds now."""
+        with self._lock:
+            return set(self._absent)
 
     def reports(self) -> list[ReplicaReport]:
         """Each replica's report, as the record knows it."""
@@ -249,6 +258,28 @@ class ReplicaRecord:
                         lost=report.lost + 1,
                     )
             return first, set(self._lost)
+
+    def mark_absent(self, replicas: Iterable[int]) -> None:
+        """Replicas whose worker left (or, lost, is gone for good): absent
+        since now, neither lost nor counted as lost once more."""
+        replicas = list(replicas)
+        with self._lock:
+            self._lost.difference_update(replicas)
+            self._absent.update(replicas)
+            for r in replicas:
+                self._reports[r] = dataclasses.replace(
+                    self._reports[r], state="absent", since=time.time(), error=None
+                )
+
+    def mark_present(self, replicas: Iterable[int]) -> None:
+        """Replicas whose slot a worker joined: running since now."""
+        replicas = list(replicas)
+        with self._lock:
+            self._absent.difference_update(replicas)
+            for r in replicas:
+                self._reports[r] = dataclasses.replace(
+                    self._reports[r], state="running", since=time.time(), error=None
+                )
 
     def _mark_running(self, replicas: Iterable[int]) -> None:
         """Replicas back: no longer lost, running since now."""

@@ -50,6 +50,8 @@ class Feed(Protocol):
     def mark_drained(self) -> None: ...
     def resync(self) -> None: ...
     def rejoin(self, replica_ids: Sequence[int]) -> None: ...
+    def join(self, replica_ids: Sequence[int]) -> None: ...
+    def leave(self, replica_ids: Sequence[int], timeout: float | None) -> list[int]: ...
     def states(self) -> list[ReplicaState]: ...
     def threads(self) -> list[threading.Thread]: ...
     def seconds_waited(self) -> list[float]: ...
@@ -75,6 +77,9 @@ class Runtime:
         ps_timeout: seconds without any update applied, while updates
             wait, before the parameter servers are probed and one that does
             not answer ends training with an error naming it, or None.
+        absent_replicas: replica slots no worker holds yet (a cluster that
+            grows, `tf_diffmap.cluster.membership`): every per-replica count
+            has their rows, and they train once their worker joins.
     """
 
     def __init__(
@@ -90,8 +95,13 @@ class Runtime:
         gradients_per_step: int = 1,
         max_step_staleness: int | None = None,
         ps_timeout: float | None = None,
+        absent_replicas: Sequence[int] = (),
     ):
         self.replica_devices = list(replica_devices)
+        self._absent_at_start = list(absent_replicas)
+        # Held while the workers' input is made or split anew, as workers
+        # join, leave, rejoin, or a new `fit` distributes its dataset.
+        self._members_lock = threading.RLock()
         self.gradients_per_step = gradients_per_step
         self.max_step_staleness = max_step_staleness
         # Per innermost optimizer (by id), its aggregation into steps; and
@@ -148,16 +158,21 @@ class Runtime:
         # cluster also lost tasks, and the thread that brings a lost worker
         # back.
         self.record = self._new_record()
+        # On a cluster that grows and shrinks, its worker slots and the
+        # endpoint workers join and leave through (`cluster.membership`).
+        self.membership = None
 
     def _new_record(self) -> ReplicaRecord:
         """The replicas' record: a cluster's when a replica is on a task of
         one (`/job:...`), else one host's, and the cluster's modules are not
         imported."""
         if not any(d.startswith("/job:") for d in self.replica_devices):
-            return ReplicaRecord(self.replica_devices)
+            return ReplicaRecord(self.replica_devices, self._absent_at_start)
         from tf_diffmap.cluster.faults import ClusterRecord
 
-        return ClusterRecord(self.replica_devices, on_back=self._rejoin)
+        return ClusterRecord(
+            self.replica_devices, on_back=self._rejoin, absent=self._absent_at_start
+        )
 
     # -- the feeds ---------------------------------------------------------
 
@@ -359,12 +374,63 @@ class Runtime:
         """A lost worker serves again (called from the rejoiner's thread), or
         a hung one answers (`restarted` False; from its last call's thread)."""
         if self.worker_input is not None and task:
-            self.worker_input.rebuild(task, restarted)
+            with self._members_lock:
+                self.worker_input.rebuild(task, restarted)
         for feed in self.feeds():
             feed.rejoin(replica_ids)
         if not self.lost_tasks() - {task}:
             # Every task serves (the rejoined one knows every function).
             self._kept_functions.clear()
+
+    # -- workers that join and leave -----------------------------------------
+
+    def absent_replicas(self) -> set[int]:
+        """The replica slots no worker holds now."""
+        return self.record.absent()
+
+    def absent_tasks(self) -> set[str]:
+        """The worker tasks whose replicas are all absent now."""
+        absent = self.record.absent()
+        tasks = {task_name(d) for d in self.replica_devices}
+        return {
+            task
+            for task in tasks
+            if all(r in absent for r, d in enumerate(self.replica_devices) if task_name(d) == task)
+        }
+
+    def training(self) -> bool:
+        """Whether replicas' loops run now."""
+        return any(feed.running() for feed in self._feeds)
+
+    def join_replicas(self, task: str, replica_ids: Sequence[int]) -> None:
+        """A worker joined (its task is in the cluster now): its input is
+        built, the data split anew over the workers present, and its
+        replicas start (called from the membership's thread)."""
+        with self._members_lock:
+            self.record.mark_present(replica_ids)
+            if self.worker_input is not None:
+                self.worker_input.reshard(self.lost_tasks(), self.absent_tasks())
+            for feed in self.feeds():
+                feed.join(replica_ids)
+
+    def leave_replicas(
+        self, task: str, replica_ids: Sequence[int], timeout: float | None
+    ) -> list[int]:
+        """A worker leaves: its replicas finish the shards they hold and
+        end, the data is split anew over the others, and what its input
+        held on it is let go while it still serves.
+
+        Returns:
+            The replicas whose calls did not end within `timeout`.
+        """
+        with self._members_lock:
+            stuck: list[int] = []
+            for feed in self.feeds():
+                stuck.extend(feed.leave(replica_ids, timeout))
+            self.record.mark_absent(replica_ids)
+            if self.worker_input is not None:
+                self.worker_input.reshard(self.lost_tasks(), self.absent_tasks())
+            return sorted(set(stuck))
 
     def group_of(self, replica_id: int) -> list[int]:
         """The replicas that hang with one (`workers.HangHandler`)."""
@@ -402,7 +468,9 @@ class Runtime:
                 if state is not ReplicaState.RUNNING:
                     running[r] = state.value
         return [
-            report if report.state == "lost" else dataclasses.replace(report, state=running[r])
+            report
+            if report.state in ("lost", "absent") and running[r] != "leaving"
+            else dataclasses.replace(report, state=running[r])
             for r, report in enumerate(self.record.reports())
         ]
 
@@ -429,13 +497,16 @@ class Runtime:
         """A new input on the workers, which replaces the current one."""
         from tf_diffmap.cluster.inputs import WorkerInput
 
-        lost = self.lost_tasks()
-        if not lost:
-            self._kept_functions.clear()
-        elif self.worker_input is not None:
-            self._kept_functions.extend(self.worker_input.functions())
-        self.worker_input = WorkerInput(self.worker_hosts, self.failed, lost=lost, **source)
-        return self.worker_input
+        with self._members_lock:
+            lost = self.lost_tasks()
+            if not lost:
+                self._kept_functions.clear()
+            elif self.worker_input is not None:
+                self._kept_functions.extend(self.worker_input.functions())
+            self.worker_input = WorkerInput(
+                self.worker_hosts, self.failed, lost=lost, absent=self.absent_tasks(), **source
+            )
+            return self.worker_input
 
     def worker_input_for(self, specs) -> WorkerInput | None:
         """The input on the workers that a new feed reads, if any.

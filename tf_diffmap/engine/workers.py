@@ -9,7 +9,10 @@ fewer shards: nobody waits at a barrier. TensorFlow releases the GIL while a
 function runs, so the loops overlap.
 
 A replica's life is one `ReplicaState`; its transitions are listed in the
-enum's docstring and made in one place (`ReplicaLoops._move`). A FAILED
+enum's docstring and made in one place (`ReplicaLoops._move`). On a cluster
+that grows and shrinks (`tf_diffmap.cluster.membership`), a replica slot
+whose worker has not joined yet, or has left, is ABSENT: it has no thread,
+and the others take its shards; `join` and `leave` bring it in and out. A FAILED
 replica runs the runner's *drop loop* instead of its own (which may need a
 task that is gone): it takes what is queued and counts it dropped, so that
 nothing that feeds the queue ever blocks on a failed replica. A LOST replica
@@ -34,7 +37,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 __all__ = ["HangHandler", "LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
@@ -53,18 +56,28 @@ class WorkerError(RuntimeError):
 class ReplicaState(enum.Enum):
     """Where one replica is. Every transition, and what causes it::
 
-        STOPPED   --start()-->                          RUNNING
-        RUNNING   --STOP item taken while stopping-->   STOPPED
-        RUNNING   --its loop raised an error-->         FAILED
-        RUNNING   --its loop lost its worker task-->    LOST
-        FAILED    --STOP item taken while stopping-->   STOPPED
-        FAILED    --start() once its thread is gone-->  RUNNING
+        STOPPED   --start()-->                           RUNNING
+        RUNNING   --STOP item taken while stopping-->    STOPPED
+        RUNNING   --its loop raised an error-->          FAILED
+        RUNNING   --its loop lost its worker task-->     LOST
+        FAILED    --STOP item taken while stopping-->    STOPPED
+        FAILED    --start() once its thread is gone-->   RUNNING
         LOST      --rejoin(): its worker serves again--> REJOINING
-        REJOINING --its thread started-->               RUNNING
-        REJOINING --rejoined while loops are stopped--> STOPPED
+        REJOINING --its thread started-->                RUNNING
+        REJOINING --rejoined while loops are stopped-->  STOPPED
+        ABSENT    --join(): a worker joined its slot-->  JOINING
+        JOINING   --its thread started-->                RUNNING
+        JOINING   --joined while loops are stopped-->    STOPPED
+        RUNNING   --leave(): its worker asks to leave--> LEAVING
+        LEAVING   --its call returned, shard done-->     ABSENT
+        LEAVING   --its loop lost its worker task-->     LOST
+        LEAVING   --its loop raised an error-->          FAILED
+        STOPPED   --leave(): no thread to end-->         ABSENT
+        LOST      --leave(): its worker is gone for good--> ABSENT
 
     Only `ReplicaLoops._move` changes a state, and refuses any other change.
-    `start()` leaves LOST replicas alone: they come back through `rejoin`.
+    `start()` leaves LOST, REJOINING, ABSENT, JOINING and LEAVING replicas
+    alone: they come back through `rejoin` or `join`.
     """
 
     STOPPED = "stopped"
@@ -72,6 +85,9 @@ class ReplicaState(enum.Enum):
     FAILED = "failed"
     LOST = "lost"
     REJOINING = "rejoining"
+    ABSENT = "absent"
+    JOINING = "joining"
+    LEAVING = "leaving"
 
 
 _MOVES = {
@@ -84,10 +100,26 @@ _MOVES = {
     (ReplicaState.LOST, ReplicaState.REJOINING),
     (ReplicaState.REJOINING, ReplicaState.RUNNING),
     (ReplicaState.REJOINING, ReplicaState.STOPPED),
+    (ReplicaState.ABSENT, ReplicaState.JOINING),
+    (ReplicaState.JOINING, ReplicaState.RUNNING),
+    (ReplicaState.JOINING, ReplicaState.STOPPED),
+    (ReplicaState.RUNNING, ReplicaState.LEAVING),
+    (ReplicaState.LEAVING, ReplicaState.ABSENT),
+    (ReplicaState.LEAVING, ReplicaState.LOST),
+    (ReplicaState.LEAVING, ReplicaState.FAILED),
+    (ReplicaState.STOPPED, ReplicaState.ABSENT),
+    (ReplicaState.LOST, ReplicaState.ABSENT),
 }
 
-# Replicas with no thread of their own until their worker serves again.
-_GONE = (ReplicaState.LOST, ReplicaState.REJOINING)
+# Replicas with no thread of their own until their worker serves again (or
+# joins), and those whose thread is ending for good: none of them trains.
+_GONE = (
+    ReplicaState.LOST,
+    ReplicaState.REJOINING,
+    ReplicaState.ABSENT,
+    ReplicaState.JOINING,
+    ReplicaState.LEAVING,
+)
 
 
 class LoopRunner(Protocol):
@@ -166,6 +198,7 @@ class ReplicaLoops:
             store stopped answering; then every loop call is left to itself
             and the queue is drained, so that the error ends training.
             `None`: never.
+        absent: replicas whose slot no worker holds yet (ABSENT).
     """
 
     def __init__(
@@ -179,6 +212,7 @@ class ReplicaLoops:
         worker_timeout: float | None = None,
         hangs: HangHandler | None = None,
         stall_timeout: float | None = None,
+        absent: Collection[int] = (),
     ):
         if (worker_timeout is not None or stall_timeout is not None) and hangs is None:
             raise ValueError("A worker_timeout or stall_timeout needs a HangHandler.")
@@ -199,9 +233,14 @@ class ReplicaLoops:
         # The idle monitor sleeps here between looks (woken by `stop`).
         self._idle = threading.Condition(self._lock)
         self._threads: dict[int, threading.Thread] = {}
-        self._states = [ReplicaState.STOPPED] * num_replicas
+        self._states = [
+            ReplicaState.ABSENT if r in absent else ReplicaState.STOPPED
+            for r in range(num_replicas)
+        ]
         self._stopping = False
         self._waited = [0.0] * num_replicas
+        # Per replica, what `max_staleness` adds to its steps (see `join`).
+        self._offsets = [0] * num_replicas
         self._monitor: threading.Thread | None = None
         self._on_idle: Callable[[], bool] | None = None
         self._local = threading.local()
@@ -246,7 +285,7 @@ class ReplicaLoops:
             answered.wait(self.worker_timeout)
         with self._lock:
             for replica_id in range(self.num_replicas):
-                if self._states[replica_id] in (ReplicaState.LOST, ReplicaState.REJOINING):
+                if self._states[replica_id] in _GONE:
                     continue
                 self._start_thread(replica_id)
             if self._monitor is None or not self._monitor.is_alive():
@@ -310,6 +349,82 @@ class ReplicaLoops:
                 else:
                     self._move(replica_id, ReplicaState.STOPPED)
 
+    def join(self, replica_ids: Sequence[int]) -> None:
+        """Brings ABSENT replicas in (a worker joined their slots): their
+        threads start if the loops run, else they are STOPPED and start with
+        the others at the next `start()`."""
+        steps = self.runner.replica_steps()
+        with self._lock:
+            replica_ids = [r for r in replica_ids if self._states[r] is ReplicaState.ABSENT]
+            live = [
+                steps[r] + self._offsets[r] for r, st in enumerate(self._states) if st not in _GONE
+            ]
+            # Under `max_staleness`, a replica that joins counts as level with
+            # the slowest one present, not as that many steps behind it.
+            for r in replica_ids:
+                self._offsets[r] = (min(live) if live else 0) - steps[r]
+        # A replica that left was fenced off the queue.
+        self.runner.fence(replica_ids, False)
+        with self._lock:
+            running = not self._stopping and any(t.is_alive() for t in self._threads.values())
+            for replica_id in replica_ids:
+                self._move(replica_id, ReplicaState.JOINING)
+                if running:
+                    self._start_thread(replica_id)
+                else:
+                    self._move(replica_id, ReplicaState.STOPPED)
+
+    def leave(self, replica_ids: Sequence[int], timeout: float | None) -> list[int]:
+        """Takes replicas out for good (their worker leaves): each is fenced
+        off the queue, finishes the shard its call holds (a call waiting for
+        an item gives the item back) and ends; then it is ABSENT.
+
+        Args:
+            replica_ids: the replicas of the worker that leaves.
+            timeout: seconds to wait for their calls to end; None: for ever.
+
+        Returns:
+            The replicas whose calls had not ended within `timeout` (they
+            stay LEAVING; their calls end as any fenced call does).
+        """
+        with self._lock:
+            ending = []
+            for r in replica_ids:
+                thread = self._threads.get(r)
+                if (
+                    self._states[r] is ReplicaState.RUNNING
+                    and thread is not None
+                    and thread.is_alive()
+                ):
+                    self._move(r, ReplicaState.LEAVING)
+                    ending.append(thread)
+                elif self._states[r] in (ReplicaState.RUNNING, ReplicaState.STOPPED):
+                    self._threads.pop(r, None)
+                    if self._states[r] is ReplicaState.RUNNING:
+                        self._move(r, ReplicaState.STOPPED)
+                    self._move(r, ReplicaState.ABSENT)
+                elif self._states[r] is ReplicaState.LOST and r not in self._orphans:
+                    self._move(r, ReplicaState.ABSENT)
+            self._progress.notify_all()
+        self.runner.fence(list(replica_ids), True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in ending:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return [r for r in replica_ids if self._states[r] is ReplicaState.LEAVING]
+
+    def _left(self, replica_id: int) -> bool:
+        """Whether the replica is leaving: then it is ABSENT, and its thread
+        (the current one) ends."""
+        with self._lock:
+            if self._states[replica_id] is not ReplicaState.LEAVING:
+                return False
+            self._move(replica_id, ReplicaState.ABSENT)
+            if self._threads.get(replica_id) is threading.current_thread():
+                del self._threads[replica_id]
+            self._progress.notify_all()
+            return True
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ends every loop once what is queued before the stop is taken."""
         with self._lock:
@@ -339,7 +454,10 @@ class ReplicaLoops:
             stuck = [
                 r
                 for r, t in self._threads.items()
-                if t in live and t.is_alive() and t is not threading.current_thread()
+                if t in live
+                and t.is_alive()
+                and t is not threading.current_thread()
+                and self._states[r] is not ReplicaState.LEAVING
             ]
             others = [
                 r for r, state in enumerate(self._states) if r not in stuck and state not in _GONE
@@ -399,7 +517,7 @@ class ReplicaLoops:
     def _first_replica(self) -> int | None:
         """The replica that takes the first item after a drain (`start`);
         None when every replica is lost."""
-        steps = self.runner.replica_steps()
+        steps = [s + o for s, o in zip(self.runner.replica_steps(), self._offsets)]
         with self._lock:
             live = [r for r, state in enumerate(self._states) if state not in _GONE]
         if not live:
@@ -411,7 +529,7 @@ class ReplicaLoops:
         """Shards this replica may take now (0: held back)."""
         if self.max_staleness is None:
             return self.steps_per_loop
-        steps = self.runner.replica_steps()
+        steps = [s + o for s, o in zip(self.runner.replica_steps(), self._offsets)]
         with self._lock:
             live = [s for s, state in zip(steps, self._states) if state not in _GONE]
         # One at a time: the bound is checked again before every step.
@@ -448,6 +566,8 @@ class ReplicaLoops:
                 with self._lock:
                     self._waited[replica_id] += time.monotonic() - held_since
                 held_since = None
+            if self._left(replica_id):
+                return
             with self._lock:
                 failed = self._states[replica_id] is ReplicaState.FAILED
             try:
@@ -465,6 +585,10 @@ class ReplicaLoops:
                 if first is not None:
                     first.set()
                 with self._lock:
+                    if state is ReplicaState.RUNNING and (
+                        self._states[replica_id] is ReplicaState.LEAVING
+                    ):
+                        continue  # Fenced: its next look ends it.
                     self._move(replica_id, state)
                     self._progress.notify_all()
                     if state is ReplicaState.LOST:
@@ -476,6 +600,8 @@ class ReplicaLoops:
                 first.set()
             if self._orphaned(replica_id):
                 self._answer(replica_id, None)
+                return
+            if self._left(replica_id):
                 return
             with self._lock:
                 self._progress.notify_all()

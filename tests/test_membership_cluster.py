@@ -1,0 +1,242 @@
+"""Elastic membership on multi-process clusters on 127.0.0.1.
+
+A chief in a subprocess starts a `LocalCluster(elastic=True)` of two workers
+and a ps, makes its strategy with a third worker slot
+(`strategy_for_cluster(max_workers=3)`), and trains while a worker joins
+(`LocalCluster.join_worker`, `python -m tf_diffmap.cluster --join`) and
+leaves (SIGTERM, `LocalCluster.leave`), or is killed. It stops only the
+processes it started. Each test checks the version arithmetic: every token
+put was completed once or abandoned once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+CHIEF = textwrap.dedent(
+    """
+    import json, logging, os, sys, threading, time
+    import keras, numpy as np, tensorflow as tf
+    from tf_diffmap import cluster
+
+    scenario = sys.argv[1]
+    report = {"events": []}
+    warnings = []
+    handler = logging.Handler()
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    handler.emit = lambda record: warnings.append(handler.format(record))
+    logging.getLogger("tf_diffmap").addHandler(handler)
+    BATCHES, EPOCHS_AFTER = 64, 3
+
+    def event(what, **figures):
+        report["events"].append({"what": what, "at": time.monotonic(), **figures})
+
+    def events(what):
+        return [e for e in report["events"] if e["what"] == what]
+
+    with cluster.LocalCluster(workers=2, ps=1, elastic=True) as local:
+        strategy = cluster.strategy_for_cluster(
+            local.resolver(), max_workers=3, membership_port=local.membership_port,
+            worker_timeout=30.0,
+        )
+        membership = cluster.membership_of(strategy)
+        report["states_at_start"] = [r.state for r in strategy.replica_states()]
+        x = np.random.default_rng(0).normal(size=(BATCHES * 32, 8)).astype("float32")
+        y = (x.sum(axis=1) > 0).astype("int32")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                      keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        joined = {}
+
+        def join():
+            index, pid = local.join_worker()
+            joined.update(index=index, pid=pid)
+
+        class Membership(keras.callbacks.Callback):
+            epochs_joined = None
+            left_at = None
+
+            def on_train_begin(self, logs=None):
+                threading.Thread(target=join, daemon=True).start()
+
+            def on_train_batch_end(self, batch, logs=None):
+                if scenario == "join_while_lost" and not events("killed"):
+                    # Once the replicas train (a worker killed before the
+                    # first step is the fault of a chief that starts while
+                    # a task is down), and before the new worker serves.
+                    local.kill("worker", 1)
+                    event("killed", worker=1, joined=dict(joined))
+                states = membership.states()
+                if self.epochs_joined is None:
+                    if states[2] != "member":
+                        time.sleep(0.05)  # batches keep coming while the worker starts
+                        return
+                    self.epochs_joined = self.epoch
+                    event("joined", version=strategy.version,
+                          loops=[s.state for s in strategy.replica_states()])
+                if (
+                    scenario in ("leave", "join_then_leave_first")
+                    and self.left_at is None
+                    and self.epoch == self.epochs_joined + 1
+                    and batch == 20
+                ):
+                    self.left_at = self.epoch
+                    index = 2 if scenario == "leave" else 0
+                    steps = strategy.replica_steps()[index]
+
+                    def leave():
+                        seconds = local.leave(index)
+                        event("left", worker=index, seconds=seconds, steps_before=steps)
+
+                    threading.Thread(target=leave, daemon=True).start()
+                if (
+                    scenario == "join_then_killed"
+                    and self.left_at is None
+                    and self.epoch == self.epochs_joined + 1
+                    and batch == 20
+                ):
+                    self.left_at = self.epoch
+                    threading.Timer(0.05, local.kill, ("worker", 2)).start()
+                    event("killed", worker=2)
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_epoch_end(self, epoch, logs=None):
+                report.setdefault("steps_by_epoch", []).append(strategy.replica_steps())
+                report.setdefault("states_by_epoch", []).append(
+                    [r.state for r in strategy.replica_states()])
+                if self.epochs_joined is not None and epoch >= self.epochs_joined + EPOCHS_AFTER:
+                    self.model.stop_training = True
+
+        history = model.fit(x, y, batch_size=32, epochs=40, verbose=0, callbacks=[Membership()])
+        report["epochs"] = len(history.history["loss"])
+        if scenario != "join_then_leave_first":
+            # evaluate and predict run on the first worker (see docs/cluster.md)
+            report["evaluate"] = model.evaluate(x, y, verbose=0, return_dict=True)
+        time.sleep(1.5)  # the idle monitor's second
+        report["threads"] = [
+            t.name for t in threading.enumerate()
+            if t.name.startswith("tf_diffmap") and t.name != "tf_diffmap-membership"
+        ]
+        stats = strategy.statistics()
+        report["version"] = strategy.version
+        report["claims"] = int(stats.updates.sum() + stats.dropped.sum())
+        report["abandoned"] = stats.abandoned
+        report["steps"] = strategy.replica_steps()
+        report["updates"] = stats.updates.tolist()
+        report["dropped"] = stats.dropped.tolist()
+        report["states"] = [r.state for r in strategy.replica_states()]
+        report["slots"] = membership.states()
+        report["joined"] = joined
+    report["warnings"] = warnings
+    print(json.dumps(report))
+    os._exit(0)
+    """
+)
+
+BATCHES, SLOTS = 64, 3
+
+
+def run_chief(scenario: str, tmp_path, timeout=540) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", CHIEF, scenario],
+        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report["stderr"] = result.stderr
+    return report
+
+
+def check_counts(report: dict) -> None:
+    """Every token was completed once or abandoned once: never both, never twice."""
+    tokens = report["epochs"] * BATCHES * SLOTS
+    assert sum(report["steps"]) + report["abandoned"] == tokens
+    assert report["version"] == sum(report["steps"]) + report["abandoned"]
+    assert report["version"] - report["abandoned"] <= report["claims"] <= report["version"]
+    assert report["threads"] == []
+
+
+def events(report: dict, what: str) -> list[dict]:
+    return [e for e in report["events"] if e["what"] == what]
+
+
+def test_a_worker_joins_a_running_fit_and_trains(tmp_path):
+    report = run_chief("join", tmp_path)
+    assert report["states_at_start"] == ["running", "running", "absent"]
+    (joined,) = events(report, "joined")
+    assert joined["version"] > 0  # it joined while the others trained
+    check_counts(report)
+    # Its replica trained in every epoch after it joined.
+    by_epoch = report["steps_by_epoch"]
+    assert by_epoch[-1][2] > by_epoch[-2][2] > 0
+    # Each of its steps is in the statistics: applied, or dropped as too stale.
+    assert report["updates"][2] + report["dropped"][2] == report["steps"][2] > 0
+    assert report["updates"][2] > 0
+    assert report["states"][2] != "absent"
+    assert report["slots"] == {"0": "member", "1": "member", "2": "member"}
+    assert any("joined" in w and "task:2" in w for w in report["warnings"]), report["warnings"]
+
+
+def test_a_worker_that_leaves_with_sigterm_loses_nothing(tmp_path):
+    report = run_chief("leave", tmp_path)
+    check_counts(report)
+    assert report["abandoned"] == 0
+    (left,) = events(report, "left")
+    # Well inside worker_timeout (30 s): its shard finished, nothing waited for it.
+    assert left["seconds"] < 15, left
+    assert report["states"][2] == "absent"
+    assert report["slots"]["2"] == "empty"
+    # It trained after joining, and not after it left.
+    by_epoch = report["states_by_epoch"]
+    present = [i for i, states in enumerate(by_epoch) if states[2] != "absent"]
+    assert present and present[-1] + 1 < len(by_epoch)
+    for steps in report["steps_by_epoch"][present[-1] + 1 :]:
+        assert steps[2] == report["steps"][2] > 0
+    assert not any("did not answer" in w or "unreachable" in w for w in report["warnings"])
+
+
+def test_a_joined_worker_that_is_killed_is_lost_and_training_goes_on(tmp_path):
+    report = run_chief("join_then_killed", tmp_path)
+    check_counts(report)
+    assert report["states"][2] == "lost"
+    lost = [w for w in report["warnings"] if "unreachable" in w]
+    assert len(lost) == 1 and "task:2" in lost[0], report["warnings"]
+
+
+def test_a_worker_joins_while_another_is_lost(tmp_path):
+    # TensorFlow's update of the cluster would wait for the lost worker:
+    # it is taken out of the cluster first, and rejoins if it serves again.
+    report = run_chief("join_while_lost", tmp_path)
+    check_counts(report)
+    assert report["states"][1] == "lost"
+    assert report["states"][2] != "absent"
+    assert report["steps"][2] > 0
+
+
+def test_the_first_worker_leaves_and_the_others_go_on(tmp_path):
+    report = run_chief("join_then_leave_first", tmp_path)
+    check_counts(report)
+    assert report["states"][0] == "absent"
+    assert report["slots"]["0"] == "empty"
+    assert report["abandoned"] == 0
+    (left,) = events(report, "left")
+    assert left["worker"] == 0 and left["seconds"] < 15, left
+    # The others trained in the epochs after it left; it did not.
+    last, before = report["steps_by_epoch"][-1], report["steps_by_epoch"][-2]
+    assert last[0] == before[0] and last[1] > before[1] and last[2] > before[2]
