@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+# Two fresh processes that each train two models for 15 epochs: minutes on a
+# 2-core host, so among the slow tests (CI runs them).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "regimes_runner.py"
 
