@@ -50,7 +50,8 @@ def test_the_example_trains_without_tensorflows_start_up_lines(tmp_path):
     assert "validation accuracy: " in result.stdout
     header = [line for line in result.stdout.splitlines() if line.startswith("store version")]
     assert [shape(line) for line in header] == [
-        "store version #; mean staleness #, max #; momentum added by asynchrony #"
+        "store version # # optimizer steps (# gradients each); mean staleness # versions "
+        "(max #), # steps (max #); momentum added by asynchrony #"
     ]
     logged = [line for line in result.stderr.splitlines() if LOG_LINE.search(line)]
     assert logged == [], "\n".join(logged)

@@ -124,7 +124,10 @@ def test_a_slow_replica_takes_fewer_shards():
         )
         compile_logits(model)
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)
-    updates = strategy.statistics().updates
+    stats = strategy.statistics()
+    # Shards taken: gradients accepted, and those the default's bound dropped
+    # (the slow replica's, computed more than a step before their step).
+    updates = stats.updates + stats.dropped
     assert int(updates.sum()) == 2 * 32 * 4
     assert all(updates[0] < updates[r] for r in (1, 2, 3)), updates
     # Updates of the fast replicas land while the slow one computes: staleness.

@@ -98,6 +98,7 @@ def test_the_wheel_installs_and_runs_the_quick_start(wheel, tmp_path):
     header = [line for line in lines if line.startswith("store version ")]
     assert len(header) == 1, ran.stdout[-3000:]
     assert shape(header[0]) == (
-        "store version #; mean staleness #, max #; momentum added by asynchrony #"
+        "store version # # optimizer steps (# gradients each); mean staleness # versions "
+        "(max #), # steps (max #); momentum added by asynchrony #"
     )
     assert sum(line.startswith("  replica ") for line in lines) == 4
