@@ -30,6 +30,15 @@ TF_CONFIG comes from the pod:
 `TF_DIFFMAP_LOGICAL_CPUS=N` gives a worker without GPUs N replicas on its CPU
 (`python -m tf_diffmap.cluster --logical-cpus N`).
 
+`TF_DIFFMAP_MAX_WORKERS=M` makes the cluster elastic (docs/cluster.md, "Workers
+that join and leave"): every worker runs `python -m tf_diffmap.cluster --join`,
+announcing itself to the chief's membership endpoint (the chief's address, at
+its port plus one) and leaving on SIGTERM; in the plain manifests a worker
+whose ordinal is at or beyond `TF_DIFFMAP_CLUSTER`'s count (the StatefulSet
+scaled up) and below M joins the running fit. The chief's script reads the
+same variable (`deploy/train.py` passes it to `strategy_for_cluster` as
+`max_workers`).
+
 Standard library only: it runs before TensorFlow is imported, and whatever it
 starts checks TF_CONFIG again (`python -m tf_diffmap.cluster` for a server,
 `strategy_for_cluster` in the chief's script).
@@ -79,6 +88,22 @@ def parse_counts(text: str) -> dict[str, int]:
             )
         counts[name] = int(value)
     return counts
+
+
+def max_workers(env: Mapping[str, str]) -> int | None:
+    """`TF_DIFFMAP_MAX_WORKERS`: the most workers of an elastic cluster (None: fixed).
+
+    Raises:
+        TaskError: a value that is not a whole number of at least 1.
+    """
+    value = env.get("TF_DIFFMAP_MAX_WORKERS")
+    if not value:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise TaskError(
+            f"TF_DIFFMAP_MAX_WORKERS must be a whole number of at least 1, received {value!r}."
+        )
+    return int(value)
 
 
 def task_index(env: Mapping[str, str], hostname: str) -> int:
@@ -139,11 +164,33 @@ def tf_config_from_pod(env: Mapping[str, str], hostname: str) -> str:
             f"({env['TF_DIFFMAP_CLUSTER']!r}) has no {task_type} tasks."
         )
     index = task_index(env, hostname)
+    most = max_workers(env)
+    if most is not None and most < counts.get("worker", 0):
+        raise TaskError(
+            f"TF_DIFFMAP_MAX_WORKERS={most} is below the {counts['worker']} workers of "
+            f"TF_DIFFMAP_CLUSTER ({env['TF_DIFFMAP_CLUSTER']!r}): give at least as many."
+        )
+    if task_type == "worker" and most is not None and counts[task_type] <= index < most:
+        # A worker of a scaled-up StatefulSet: its TF_CONFIG names it, beyond
+        # the first workers, and it joins the running fit (`--join`).
+        counts = {**counts, "worker": index + 1}
     if index >= counts[task_type]:
+        if task_type == "worker" and most is not None:
+            raise TaskError(
+                f"This task is worker {index}, and TF_DIFFMAP_MAX_WORKERS={most} lets the "
+                f"cluster grow to workers 0 to {most - 1}: scale the StatefulSet to at most "
+                f"{most} replicas, or raise TF_DIFFMAP_MAX_WORKERS (the chief reads it when "
+                "it starts)."
+            )
         raise TaskError(
             f"This task is {task_type} {index}, and TF_DIFFMAP_CLUSTER "
             f"({env['TF_DIFFMAP_CLUSTER']!r}) counts {counts[task_type]}: scale the "
-            "StatefulSet and TF_DIFFMAP_CLUSTER together."
+            "StatefulSet and TF_DIFFMAP_CLUSTER together"
+            + (
+                ", or set TF_DIFFMAP_MAX_WORKERS so that workers beyond it join the running fit."
+                if task_type == "worker"
+                else "."
+            )
         )
     template = env["TF_DIFFMAP_ADDRESS"]
     namespace = env.get("POD_NAMESPACE", "default")
@@ -178,11 +225,14 @@ def command(tf_config: str, argv: Sequence[str], env: Mapping[str, str]) -> list
     Args:
         tf_config: the task's TF_CONFIG.
         argv: the command given to the container.
-        env: the pod's environment, for a worker's `TF_DIFFMAP_LOGICAL_CPUS`.
+        env: the pod's environment, for a worker's `TF_DIFFMAP_LOGICAL_CPUS`
+            and `TF_DIFFMAP_MAX_WORKERS` (set: the worker joins through the
+            chief's membership endpoint, `--join`).
 
     Raises:
         TaskError: TF_CONFIG that names no task of the types here, a chief
-            without a command, or a `TF_DIFFMAP_LOGICAL_CPUS` below 1.
+            without a command, or a `TF_DIFFMAP_LOGICAL_CPUS` or
+            `TF_DIFFMAP_MAX_WORKERS` below 1.
     """
     try:
         task_type = json.loads(tf_config)["task"]["type"]
@@ -192,6 +242,7 @@ def command(tf_config: str, argv: Sequence[str], env: Mapping[str, str]) -> list
         ) from None
     if task_type not in TASK_TYPES:
         raise TaskError(f"TF_CONFIG names task type {task_type!r}; this image runs {TASK_TYPES}.")
+    elastic = max_workers(env) is not None  # checked for every task: the chief reads it too
     if task_type in SERVER_TYPES:
         server = [sys.executable, "-m", "tf_diffmap.cluster"]
         cpus = env.get("TF_DIFFMAP_LOGICAL_CPUS")
@@ -202,6 +253,8 @@ def command(tf_config: str, argv: Sequence[str], env: Mapping[str, str]) -> list
                     f"received {cpus!r}."
                 )
             server += ["--logical-cpus", cpus]
+        if task_type == "worker" and elastic:
+            server += ["--join"]
         return server
     if not argv:
         raise TaskError("The chief runs the container's command, and none was given.")

@@ -33,7 +33,9 @@ def train(args: argparse.Namespace) -> None:
 
     from tf_diffmap import cluster
 
-    strategy = cluster.strategy_for_cluster(connect_timeout=args.connect_timeout)
+    strategy = cluster.strategy_for_cluster(
+        connect_timeout=args.connect_timeout, max_workers=args.max_workers
+    )
     print(f"replicas: {strategy.replica_devices}", flush=True)
     x = np.random.default_rng(0).normal(size=(args.examples, 8)).astype("float32")
     y = (x.sum(axis=1) > 0).astype("int32")
@@ -78,6 +80,14 @@ def main() -> None:
         type=float,
         default=600.0,
         help="seconds to wait for every worker and ps task to serve (pods start in any order)",
+    )
+    most = os.environ.get("TF_DIFFMAP_MAX_WORKERS")
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=int(most) if most else None,
+        help="let workers join while it trains, up to this many in all (elastic membership; "
+        "default: $TF_DIFFMAP_MAX_WORKERS, else a fixed cluster)",
     )
     parser.add_argument("--backup-dir", default=None, help="keras.callbacks.BackupAndRestore here")
     parser.add_argument("--save", default=None, help="save the trained model to this .keras file")

@@ -29,6 +29,8 @@ from kubernetes_validate import utils as kubernetes_validate
 
 from tf_diffmap.cluster.connect import check_client, resolve_cluster
 from tf_diffmap.cluster.local import free_ports
+from tf_diffmap.cluster.member import chief_endpoint
+from tf_diffmap.cluster.membership import MEMBERSHIP_PORT_OFFSET
 from tf_diffmap.cluster.server import check_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +164,10 @@ def test_tfjob_structure_is_what_the_operator_reads():
         assert names.count(OPERATOR_CONTAINER) == 1, names
         assert all(c.get("image") for c in containers)
         ports = operator_container(replica)["ports"]
-        assert [p["name"] for p in ports] == [OPERATOR_PORT_NAME]
+        # The operator's port (in TF_CONFIG) and, on the chief, the endpoint
+        # workers join through, which the operator leaves alone.
+        expected = [OPERATOR_PORT_NAME] + (["membership"] if replica_type == "Chief" else [])
+        assert [p["name"] for p in ports] == expected
     for replica_type, index in operator_tasks(TFJOB):
         # The operator names a Service after each replica: a DNS-1035 label.
         assert DNS_1035_LABEL.match(f"{TFJOB['metadata']['name']}-{replica_type}-{index}")
@@ -255,11 +260,27 @@ def test_the_operators_tf_config_of_each_replica_is_accepted(task, monkeypatch):
     assert {job: len(tasks) for job, tasks in cluster.items()} == {"chief": 1, "worker": 2, "ps": 1}
     replica = operator_replica(TFJOB, task_type)
     args = operator_container(replica).get("args", [])
-    run = entrypoint.command(tf_config, args, {})
+    env = {v["name"]: v["value"] for v in operator_container(replica).get("env", [])}
+    run = entrypoint.command(tf_config, args, env)
     if task_type == "chief":
         assert run == args and run[:2] == ["python", "/opt/tf_diffmap/train.py"]
+        # The chief's membership endpoint, where `--join` looks for it.
+        assert membership_ports(operator_container(replica)) == [
+            operator_port(replica) + MEMBERSHIP_PORT_OFFSET
+        ]
+        assert int(env["TF_DIFFMAP_MAX_WORKERS"]) >= len(cluster["worker"])
+    elif task_type == "worker":
+        assert run == [sys.executable, "-m", "tf_diffmap.cluster", "--join"]
+        assert (
+            env["TF_DIFFMAP_MAX_WORKERS"] == operator_env(TFJOB, "chief")["TF_DIFFMAP_MAX_WORKERS"]
+        )
     else:
         assert run == [sys.executable, "-m", "tf_diffmap.cluster"]
+
+
+def operator_env(tfjob: dict, task_type: str) -> dict:
+    container = operator_container(operator_replica(tfjob, task_type))
+    return {v["name"]: v["value"] for v in container.get("env", [])}
 
 
 # -- TF_CONFIG as the plain manifests' entrypoint computes it ---------------
@@ -320,8 +341,13 @@ PLAIN_PODS = plain_pods(PLAIN, NAMESPACE)
 
 
 def grpc_port(container: dict) -> int:
-    (port,) = container["ports"]
+    (port,) = [p for p in container["ports"] if p["name"] == "grpc"]
     return port["containerPort"]
+
+
+def membership_ports(container: dict) -> list[int]:
+    """The chief's membership endpoint, where a container declares it."""
+    return [p["containerPort"] for p in container.get("ports", []) if p["name"] == "membership"]
 
 
 @pytest.mark.parametrize("pod", PLAIN_PODS, ids=lambda p: p["hostname"])
@@ -339,6 +365,9 @@ def test_each_plain_pods_tf_config_is_accepted_and_names_the_pods_dns_names(pod,
     run = entrypoint.command(tf_config, pod["container"].get("args", []), pod["env"])
     if pod["type"] == "chief":
         assert run[:2] == ["python", "/opt/tf_diffmap/train.py"]
+    elif pod["type"] == "worker":
+        # Elastic membership is on in the ConfigMap: workers join and leave.
+        assert run == [sys.executable, "-m", "tf_diffmap.cluster", "--join"]
     else:
         assert run == [sys.executable, "-m", "tf_diffmap.cluster"]
 
@@ -360,14 +389,16 @@ def test_the_headless_service_gives_every_plain_pod_its_name():
 # -- secure defaults --------------------------------------------------------
 
 
-def job_pods() -> list[tuple[str, dict, int]]:
-    """(deployment, pod labels, gRPC port) of every pod of both deployments."""
-    pods = [("kubernetes", p["labels"], grpc_port(p["container"])) for p in PLAIN_PODS]
+def job_pods() -> list[tuple[str, dict, list[int]]]:
+    """(deployment, pod labels, ports: gRPC and membership) of every pod of both deployments."""
+    pods = [
+        ("kubernetes", p["labels"], [grpc_port(p["container"]), *membership_ports(p["container"])])
+        for p in PLAIN_PODS
+    ]
     for task_type, index in operator_tasks(TFJOB):
         replica = operator_replica(TFJOB, task_type)
-        pods.append(
-            ("kubeflow", operator_pod_labels(TFJOB, task_type, index), operator_port(replica))
-        )
+        ports = [operator_port(replica), *membership_ports(operator_container(replica))]
+        pods.append(("kubeflow", operator_pod_labels(TFJOB, task_type, index), ports))
     return pods
 
 
@@ -377,18 +408,20 @@ def test_the_grpc_ports_are_reachable_only_from_pods_of_the_same_job(deployment)
     (policy,) = the(objects, "NetworkPolicy")
     spec = policy["spec"]
     assert spec["policyTypes"] == ["Ingress"]
-    pods = [(labels, port) for d, labels, port in job_pods() if d == deployment]
+    pods = [(labels, ports) for d, labels, ports in job_pods() if d == deployment]
     # It selects every pod of the job: what it does not allow is denied them.
     assert all(selects(spec["podSelector"], labels) for labels, _ in pods)
     (rule,) = spec["ingress"]
     # From pods of this namespace (no namespaceSelector, no ipBlock) that are
-    # of this job, and to the gRPC port only.
+    # of this job, and to the gRPC ports and the chief's membership endpoint only.
     for peer in rule["from"]:
         assert set(peer) == {"podSelector"}, peer
         assert peer["podSelector"] == spec["podSelector"]
     assert {(p["protocol"], p["port"]) for p in rule["ports"]} == {
-        ("TCP", port) for _, port in pods
+        ("TCP", port) for _, ports in pods for port in ports
     }
+    # The chief declares its membership endpoint where workers look for it.
+    assert {port for _, ports in pods for port in ports[1:]} == {2222 + MEMBERSHIP_PORT_OFFSET}
     # The pods of another job, of this image or of another TFJob, are not peers.
     stranger = {
         "app.kubernetes.io/name": "tf-diffmap",
@@ -539,6 +572,38 @@ def test_the_task_type_picks_the_server_or_the_chiefs_command():
     evaluator = json.dumps({"cluster": {}, "task": {"type": "evaluator", "index": 0}})
     with pytest.raises(entrypoint.TaskError, match="evaluator"):
         entrypoint.command(evaluator, ["python", "train.py"], {})
+
+
+def test_an_elastic_cluster_names_workers_beyond_its_count_up_to_its_most(monkeypatch):
+    """A StatefulSet scaled up under `TF_DIFFMAP_MAX_WORKERS`: its new pods
+    are named in their own TF_CONFIG and join through the chief's endpoint."""
+    server = [sys.executable, "-m", "tf_diffmap.cluster"]
+    env = {**WORKER_ENV, "TF_DIFFMAP_MAX_WORKERS": "4"}
+    for index in (0, 2, 3):
+        config = entrypoint.tf_config_from_pod(env, f"job-worker-{index}")
+        cluster = json.loads(config)["cluster"]
+        assert json.loads(config)["task"] == {"type": "worker", "index": index}
+        assert cluster["worker"][index] == f"job-worker-{index}.job.ns.svc:2222"
+        assert len(cluster["worker"]) == max(2, index + 1)
+        assert accepted(config, monkeypatch) == cluster  # as `--join` checks it
+        assert entrypoint.command(config, [], env) == [*server, "--join"]
+        # `--join` finds the chief's endpoint at its address, port + 1.
+        port = 2222 + MEMBERSHIP_PORT_OFFSET
+        assert chief_endpoint(cluster) == f"job-chief-0.job.ns.svc:{port}"
+    with pytest.raises(entrypoint.TaskError, match="grow to workers 0 to 3"):
+        entrypoint.tf_config_from_pod(env, "job-worker-4")
+    with pytest.raises(entrypoint.TaskError, match="set TF_DIFFMAP_MAX_WORKERS so that"):
+        entrypoint.tf_config_from_pod(WORKER_ENV, "job-worker-2")
+    with pytest.raises(entrypoint.TaskError, match="below the 2 workers"):
+        entrypoint.tf_config_from_pod({**env, "TF_DIFFMAP_MAX_WORKERS": "1"}, "job-worker-0")
+    with pytest.raises(entrypoint.TaskError, match="MAX_WORKERS must be a whole number"):
+        entrypoint.command(config, [], {"TF_DIFFMAP_MAX_WORKERS": "many"})
+    # The ps and the chief run as in a fixed cluster (the chief's script
+    # reads the variable itself).
+    ps = entrypoint.tf_config_from_pod({**env, "TF_DIFFMAP_TASK_TYPE": "ps"}, "job-ps-0")
+    assert entrypoint.command(ps, [], env) == server
+    with pytest.raises(entrypoint.TaskError, match="counts 1"):
+        entrypoint.tf_config_from_pod({**env, "TF_DIFFMAP_TASK_TYPE": "ps"}, "job-ps-1")
 
 
 # -- the image's processes on this machine ------------------------------------
