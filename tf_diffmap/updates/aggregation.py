@@ -182,21 +182,27 @@ class Aggregation:
 
     def _step_if_taken(self, window: Window) -> tf.Tensor:
         """One step of the optimizer on the window's mean, if a window with
-        an accepted gradient was taken; then the store counts the step (in
-        a graph).
+        an accepted gradient was taken, and the store's count of it (in a
+        graph).
 
-        The count waits for the conditional's output, which a function
-        gives only once every update of the branch has run.
+        The conditional and the count run on the store's host, with the
+        step's updates: once the window is taken nothing waits for the
+        replica's device, so a worker lost mid-step cannot leave a step
+        applied but not counted (or the other way round).
         """
 
         def step():
             self._original_apply(window.gradients(self.replicas), self.variables)
             return tf.constant(True)
 
-        stepped = tf.cond(
-            tf.logical_and(window.taken, window.weight > 0), step, lambda: tf.constant(False)
-        )
         with tf.device(self.store.host):
+            # The conditional's output comes once every update of its
+            # branch has run; the count waits for it.
+            stepped = tf.cond(
+                tf.logical_and(window.taken, window.weight > 0),
+                step,
+                lambda: tf.constant(False),
+            )
             return self.store.optimizer_steps.assign_add(
                 tf.cast(stepped, tf.int64), read_value=False
             )
