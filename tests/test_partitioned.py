@@ -354,7 +354,10 @@ CLUSTER_CLIENT = textwrap.dedent(
 
     IDS, ROWS = 16, 40_000  # a table of 1.25 MiB: one shard per ps task
     rng = np.random.default_rng(0)
-    x = rng.integers(0, ROWS, (1024, IDS)).astype("int32")
+    # 512 ids spread over the table (both shards), each seen 32 times an
+    # epoch: a target the table can learn in three epochs.
+    ids = rng.choice(ROWS, 512, replace=False)
+    x = ids[rng.integers(0, len(ids), (1024, IDS))].astype("int32")
     y = rng.normal(size=ROWS).astype("float32")[x].mean(axis=1, keepdims=True)
     out = tempfile.mkdtemp()
     with cluster.LocalCluster(workers=2, ps=2) as local:
@@ -420,7 +423,7 @@ def test_a_table_is_split_over_the_ps_tasks_of_a_cluster(tmp_path):
     assert set(report["gathers"]) >= set(ps)
     assert report["resumed_epochs"] == [2]  # BackupAndRestore resumed after epoch 1
     assert report["version"] == 3 * 1024 // 64 * 2
-    assert report["after"] < report["before"]
+    assert report["after"] < report["before"], (report["before"], report["after"])
     assert report["checkpoint"] == [[40_000, 8]] * 2  # the table and its accumulator
 
 
