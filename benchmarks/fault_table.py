@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        "Partitioning a worker is not in the table: TensorFlow's eager context did not "
-        "finish connecting through the relay (`PartitionProxy`). ParameterServerStrategy "
-        "(tf-keras) was not run on these events.",
+        "Partitioning a worker or the ps is not in the table: tests/test_stalls_cluster.py "
+        "checks its bounds (a relay in a process of its own, `PartitionProxy(..., "
+        "subprocess=True)`). ParameterServerStrategy (tf-keras) was not run on these events.",
     ]
     text = "\n".join(lines)
     print(text)

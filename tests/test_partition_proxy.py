@@ -1,7 +1,10 @@
 """PartitionProxy relays both ways, then drops everything without closing."""
 
+import os
 import socket
 import threading
+
+import pytest
 
 from tf_diffmap.cluster import PartitionProxy
 
@@ -24,9 +27,11 @@ def echo_server():
     return server
 
 
-def test_a_relay_that_drops_keeps_its_connections_open():
+@pytest.mark.parametrize("subprocess", [False, True], ids=["threads", "subprocess"])
+def test_a_relay_that_drops_keeps_its_connections_open(subprocess):
     server = echo_server()
-    with PartitionProxy(f"127.0.0.1:{server.getsockname()[1]}") as proxy:
+    with PartitionProxy(f"127.0.0.1:{server.getsockname()[1]}", subprocess=subprocess) as proxy:
+        assert (proxy.pid is not None) == subprocess and proxy.pid != os.getpid()
         host, port = proxy.address.rsplit(":", 1)
         client = socket.create_connection((host, int(port)), timeout=5)
         client.sendall(b"ping")
@@ -49,3 +54,18 @@ def test_a_relay_that_drops_keeps_its_connections_open():
         client.close()
         late.close()
     server.close()
+
+
+def test_a_relay_in_a_subprocess_ends_with_its_close():
+    server = echo_server()
+    proxy = PartitionProxy(f"127.0.0.1:{server.getsockname()[1]}", subprocess=True).start()
+    child = proxy._child
+    proxy.close()
+    assert child.returncode == 0  # it exited on its own when its input closed
+    assert proxy.pid is None
+    server.close()
+
+
+def test_a_target_without_a_port_is_refused():
+    with pytest.raises(ValueError, match="host:port"):
+        PartitionProxy("127.0.0.1")
