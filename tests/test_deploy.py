@@ -691,3 +691,85 @@ def test_the_entrypoint_serves_and_trains_and_a_lost_ps_exits_the_chief(tmp_path
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def free_port_pair() -> int:
+    """A free port whose next port is free too: the chief's and its membership endpoint's."""
+    import socket
+
+    for _ in range(50):
+        (port,) = free_ports(1)
+        try:
+            with socket.create_server(("127.0.0.1", port + MEMBERSHIP_PORT_OFFSET)):
+                return port
+        except OSError:
+            continue
+    raise AssertionError("no free pair of ports on 127.0.0.1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_through_the_entrypoint_a_scaled_up_worker_joins_and_leaves_on_sigterm(tmp_path):
+    """The elastic deployment's processes, with TF_CONFIG shaped as the operator's.
+
+    Workers 0 and 1 and the ps start through the entrypoint with
+    `TF_DIFFMAP_MAX_WORKERS=3` (so the workers run `--join`), the chief runs
+    the image's training script, which reads the same variable. A third
+    worker, whose TF_CONFIG names three workers (as after a scale-up), joins
+    the running fit through the endpoint the entrypoint derives from the
+    chief's address; SIGTERM (a scale-down) makes it leave and exit with
+    status 0, and training goes on.
+    """
+    chief_port = free_port_pair()
+    ports = iter(p for p in free_ports(6) if p not in (chief_port, chief_port + 1))
+    workers = [f"127.0.0.1:{next(ports)}" for _ in range(3)]
+    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": workers[:2], "ps": []}
+    cluster["ps"] = [f"127.0.0.1:{next(ports)}"]
+    elastic = {"TF_DIFFMAP_MAX_WORKERS": "3"}
+
+    def tf_config(task_type: str, index: int, workers_named: int = 2) -> str:
+        named = {**cluster, "worker": workers[:workers_named]}
+        return json.dumps({"cluster": named, "task": {"type": task_type, "index": index}})
+
+    def start(name: str, config: str, args=None) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "wb") as out:
+            return subprocess.Popen(
+                [sys.executable, str(DEPLOY / "entrypoint.py"), *(args or [])],
+                env=dict(CHILD_ENV, TF_CONFIG=config, **elastic),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def log(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text()
+
+    processes = {}
+    try:
+        for name, config in (
+            ("worker-0", tf_config("worker", 0)),
+            ("worker-1", tf_config("worker", 1)),
+            ("ps-0", tf_config("ps", 0)),
+        ):
+            processes[name] = start(name, config)
+        # The entrypoint says what it runs before it runs it.
+        wait_for(lambda: "--join" in log("worker-0"), 60, "worker 0 running --join")
+        train = [sys.executable, str(DEPLOY / "train.py"), "--examples=4096", "--epochs=100000"]
+        processes["chief"] = start("chief", tf_config("chief", 0), train)
+        wait_for(lambda: "Epoch 1/" in log("chief"), 300, "the chief training")
+        processes["worker-2"] = start("worker-2", tf_config("worker", 2, workers_named=3))
+        wait_for(lambda: "joined in" in log("chief"), 300, "worker 2 joining")
+        assert "/job:worker/replica:0/task:2" in log("chief")
+        assert processes["chief"].poll() is None
+        processes["worker-2"].send_signal(signal.SIGTERM)
+        assert processes["worker-2"].wait(timeout=90) == 0, log("worker-2")[-3000:]
+        assert "left after" in log("chief"), log("chief")[-3000:]
+        # Training goes on with workers 0 and 1: another epoch ends.
+        epochs = log("chief").count("Epoch ")
+        wait_for(lambda: log("chief").count("Epoch ") > epochs, 120, "an epoch after the leave")
+        assert processes["chief"].poll() is None, log("chief")[-3000:]
+    finally:
+        for process in processes.values():  # this test's own children, by their handles
+            if process.poll() is None:
+                process.kill()
+                process.wait()
