@@ -130,8 +130,11 @@ def test_a_slow_replica_takes_fewer_shards():
     updates = stats.updates + stats.dropped
     assert int(updates.sum()) == 2 * 32 * 4
     assert all(updates[0] < updates[r] for r in (1, 2, 3)), updates
-    # Updates of the fast replicas land while the slow one computes: staleness.
-    assert strategy.statistics().mean_staleness[0] > 1
+    # Updates of the fast replicas land while the slow one computes: staleness,
+    # read from the distribution of all its gradients (the accepted ones alone
+    # can be one or two, computed right after a step).
+    histogram = stats.histogram[0]
+    assert (histogram * np.arange(len(histogram))).sum() / histogram.sum() > 1, histogram
 
 
 def test_store_sharded_over_parameter_devices():
