@@ -7,6 +7,9 @@ workers and 1 ps, in epochs of about a second, and at the start of epoch
 
 - `kill worker`: worker 1 gets SIGKILL and stays down;
 - `pause worker`: worker 1 gets SIGSTOP for twice `worker_timeout` (2 s);
+- `partition worker`: a relay at worker 1's address (a process of its own,
+  `PartitionProxy(..., subprocess=True)`) drops everything from then on,
+  closing no connection, and never heals;
 - `kill and restart ps`: the ps gets SIGKILL; the supervisor of `--local`
   starts it and the training script again, which resumes by
   `BackupAndRestore`.
@@ -17,13 +20,22 @@ gives the epochs' median time before and after, the event's epoch, and
 updates lost (tokens the epoch counted but no replica applied, which is
 `steps - version`); for the ps, the time from the kill to the end of the
 epoch the second run resumed at, and the updates of the interrupted epoch.
-ParameterServerStrategy's column is not measured here (see the run's
-note).
+With `--tf-keras-python PYTHON` (an environment with TensorFlow and
+tf-keras; `python -m benchmarks` says how to make one), the same model, data
+and events run under `tf.distribute.experimental.ParameterServerStrategy`
+(Keras' `fit` of tf-keras, 2 workers and 1 ps as plain servers,
+`benchmarks.servers`): one update per batch of 32, so its updates lost are
+`steps - iterations`; the ps event there is a kill without a supervisor
+(ParameterServerStrategy asks its users to restart the job): the row gives
+the time from the kill to `fit`'s error. A ParameterServerStrategy run
+that has not finished `HANG_LIMIT` s after the event is stopped and counted
+as hung (it has no timeout of its own for a task that hangs).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -38,6 +50,15 @@ __all__ = ["main"]
 
 EPOCHS, EVENT_EPOCH = 8, 3
 STEPS = 112  # about a second of updates per epoch on the 2-core host
+# Seconds after an event that ParameterServerStrategy's run is given before
+# it counts as hung (it has no timeout of its own for a task that hangs).
+HANG_LIMIT = 60
+EVENTS = ("kill_worker", "pause_worker", "partition_worker", "ps")
+WORKER_EVENTS = {
+    "kill_worker": "kill worker 1",
+    "pause_worker": "pause worker 1 4 s",
+    "partition_worker": "partition worker 1 for good",
+}
 
 CHIEF = textwrap.dedent(
     """
@@ -75,6 +96,8 @@ CHIEF = textwrap.dedent(
                 elif event == "pause_worker":
                     os.kill(pid, signal.SIGSTOP)
                     threading.Timer(4.0, os.kill, (pid, signal.SIGCONT)).start()
+                elif event == "partition_worker":
+                    proxy.drop()
 
         def on_epoch_end(self, epoch, logs=None):
             run["epoch_seconds"].append(time.monotonic() - self.began)
@@ -113,13 +136,26 @@ CHIEF = textwrap.dedent(
             f.write(json.dumps(run) + "\\n")
         os._exit(0 if run.get("finished") else 1)
 
-    with cluster.LocalCluster(workers=2, ps=1) as local:
+    # Partitioned: worker 1 listens at a port of its own, behind a relay (a
+    # process of its own) at its address, which drops everything for good.
+    listen, proxy = {{}}, None
+    if event == "partition_worker":
+        hidden = cluster.local.free_ports(1)[0]
+        listen = {{("worker", 1): hidden}}
+    local = cluster.LocalCluster(workers=2, ps=1, listen_ports=listen)
+    if listen:
+        port = int(local.cluster_spec["worker"][1].rpartition(":")[2])
+        proxy = cluster.PartitionProxy(f"127.0.0.1:{{hidden}}", port=port, subprocess=True)
+        proxy.start()
+    with local:
         strategy = cluster.strategy_for_cluster(local.resolver(), worker_timeout=2.0)
         model = model_for(strategy)
         model.fit(x, y, batch_size=32, epochs=EPOCHS, verbose=0,
                   callbacks=[Times(strategy, local)])
         run["abandoned"] = strategy.statistics().abandoned
         run["replicas"] = len(strategy.replica_devices)
+    if proxy is not None:
+        proxy.close()
     with open(out, "w") as f:
         f.write(json.dumps(run))
     os._exit(0)
@@ -127,11 +163,117 @@ CHIEF = textwrap.dedent(
 ).format(epochs=EPOCHS, event_epoch=EVENT_EPOCH, steps=STEPS)
 
 
-def _worker_event(event: str, tmp: Path) -> dict:
-    out = tmp / f"{event}.json"
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(tmp))
-    subprocess.run([sys.executable, "-c", CHIEF, event, str(out)], env=env, check=True, timeout=600)
+PSS_CHIEF = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import numpy as np, tensorflow as tf
+    from benchmarks.servers import LocalServers
+
+    event, out = sys.argv[1], sys.argv[2]
+    EPOCHS, EVENT_EPOCH, STEPS = {epochs}, {event_epoch}, {steps}
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS * 32, 64)).astype("float32")
+    y = rng.integers(0, 10, size=STEPS * 32).astype("int32")
+    run = {{"epoch_seconds": [], "versions": [], "replicas": 1}}
+
+    def report():
+        with open(out, "w") as f:
+            f.write(json.dumps(run))
+
+    def watchdog():
+        # ParameterServerStrategy has no timeout of its own for a task that
+        # does not answer: give up HANG_LIMIT s after the event.
+        while "event_at" not in run:
+            time.sleep(0.1)
+        while time.monotonic() < run["event_at"] + {hang_limit}:
+            if "finished" in run or "raised" in run:
+                return
+            time.sleep(0.2)
+        run["hung_for"] = {hang_limit}
+        report()
+        os._exit(0)  # the servers and the relay end with this process's pipes
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    listen, proxy = {{}}, None
+    if event == "partition_worker":
+        from tf_diffmap.cluster import PartitionProxy
+        from tf_diffmap.cluster.local import free_ports
+        hidden = free_ports(1)[0]
+        listen = {{("worker", 1): hidden}}
+    servers = LocalServers(workers=2, ps=1, env={{"CUDA_VISIBLE_DEVICES": ""}},
+                           listen_ports=listen)
+    if listen:
+        port = int(servers.cluster_spec["worker"][1].rpartition(":")[2])
+        proxy = PartitionProxy(f"127.0.0.1:{{hidden}}", port=port, subprocess=True).start()
+    with servers:
+        worker_1, ps_0 = servers.pids[1], servers.pids[2]
+        strategy = tf.distribute.experimental.ParameterServerStrategy(servers.resolver())
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((64,)),
+                                         tf.keras.layers.Dense(128, activation="relu"),
+                                         tf.keras.layers.Dense(10)])
+            model.compile(optimizer="adam",
+                          loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+
+        class Times(tf.keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.began = time.monotonic()
+                if epoch == EVENT_EPOCH:
+                    run["event_at"] = time.monotonic()
+                    if event == "kill_worker":
+                        os.kill(worker_1, signal.SIGKILL)
+                    elif event == "pause_worker":
+                        os.kill(worker_1, signal.SIGSTOP)
+                        threading.Timer(4.0, os.kill, (worker_1, signal.SIGCONT)).start()
+                    elif event == "ps":
+                        os.kill(ps_0, signal.SIGKILL)
+                    elif event == "partition_worker":
+                        proxy.drop()
+
+            def on_epoch_end(self, epoch, logs=None):
+                run["epoch_seconds"].append(time.monotonic() - self.began)
+                run["versions"].append(int(self.model.optimizer.iterations.numpy()))
+
+        try:
+            model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0, callbacks=[Times()])
+            run["finished"] = True
+        except Exception as error:
+            run["raised"] = type(error).__name__
+            run["to_error"] = time.monotonic() - run["event_at"]
+    if proxy is not None:
+        proxy.close()
+    report()
+    os._exit(0)
+    """
+).format(epochs=EPOCHS, event_epoch=EVENT_EPOCH, steps=STEPS, hang_limit=HANG_LIMIT)
+
+
+def _pss_event(event: str, tmp: Path, python: str) -> dict:
+    """One event under ParameterServerStrategy, in tf-keras' environment."""
+    out = tmp / f"pss-{event}.json"
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="3",
+        TMPDIR=str(tmp),
+        TF_USE_LEGACY_KERAS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    )
+    subprocess.run(
+        [python, "-c", PSS_CHIEF, event, str(out)], env=env, check=True, timeout=900, cwd=root
+    )
     run = json.loads(out.read_text())
+    if event == "ps":
+        return {"raised": run.get("raised"), "to_error": run.get("to_error")}
+    if "hung_for" in run:
+        return {"hung_for": run["hung_for"], "epochs_done": len(run["epoch_seconds"])}
+    return _epoch_figures(run)
+
+
+def _epoch_figures(run: dict) -> dict:
+    """Epoch times around the event, and updates lost in its epoch."""
     seconds = run["epoch_seconds"]
     before = statistics.median(seconds[1:EVENT_EPOCH])
     after = statistics.median(seconds[EVENT_EPOCH + 1 :])
@@ -146,6 +288,13 @@ def _worker_event(event: str, tmp: Path) -> dict:
         "updates_lost": tokens - applied,
         "speed_after": before / after,
     }
+
+
+def _worker_event(event: str, tmp: Path) -> dict:
+    out = tmp / f"{event}.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(tmp))
+    subprocess.run([sys.executable, "-c", CHIEF, event, str(out)], env=env, check=True, timeout=600)
+    return _epoch_figures(json.loads(out.read_text()))
 
 
 def _ps_event(tmp: Path) -> dict:
@@ -187,53 +336,104 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the table to this file")
     parser.add_argument(
         "--events",
-        default="kill_worker,pause_worker,ps",
-        help="which events, comma-separated (default: all three)",
+        default=",".join(EVENTS),
+        help=f"which events, comma-separated (default: all of {', '.join(EVENTS)})",
+    )
+    parser.add_argument(
+        "--tf-keras-python",
+        default=None,
+        metavar="PYTHON",
+        help="also run ParameterServerStrategy (tf-keras) with this interpreter",
     )
     args = parser.parse_args(argv)
-    rows = {event: [] for event in args.events.split(",")}
+    events = args.events.split(",")
+    unknown = sorted(set(events) - set(EVENTS))
+    if unknown:
+        parser.error(f"unknown events {unknown}; choose from {', '.join(EVENTS)}.")
+    strategies = ["tf_diffmap"] + (["pss"] if args.tf_keras_python else [])
+    rows = {(strategy, event): [] for strategy in strategies for event in events}
     with tempfile.TemporaryDirectory(prefix="fault_table_") as tmp:
         for repeat in range(args.repeats):
-            for event in rows:
-                folder = Path(tmp) / f"{event}-{repeat}"
-                folder.mkdir()
-                result = _ps_event(folder) if event == "ps" else _worker_event(event, folder)
-                rows[event].append(result)
-    med = lambda key, event: statistics.median(r[key] for r in rows[event])  # noqa: E731
-    lines = [
-        f"Short epochs ({STEPS} steps of batch 32, 2 workers + 1 ps on localhost), event at "
-        f"the start of epoch {EVENT_EPOCH} of {EPOCHS}; medians of {args.repeats} run(s).",
-        "",
-        "| Event | Epoch before (s) | Event's epoch (s) | Epoch after (s) | Cost (s) "
-        "| Updates lost | Speed after / before |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for event, name in (("kill_worker", "kill worker 1"), ("pause_worker", "pause worker 1 4 s")):
-        if not rows.get(event):
-            continue
-        lines.append(
-            f"| {name} | {med('before', event):.2f} | {med('event_epoch', event):.2f} "
-            f"| {med('after', event):.2f} | {med('cost', event):.2f} "
-            f"| {med('updates_lost', event):.0f} | {med('speed_after', event):.2f}x |"
-        )
-    if rows.get("ps"):
-        lines.append(
-            "| kill and restart the ps (supervisor) | | | "
-            f"| {med('to_resumed_epoch_end', 'ps'):.1f} "
-            f"(new chief after {med('to_new_chief', 'ps'):.1f}) "
-            f"| {med('updates_lost', 'ps'):.0f} | |"
-        )
-    lines += [
-        "",
-        "Partitioning a worker or the ps is not in the table: tests/test_stalls_cluster.py "
-        "checks its bounds (a relay in a process of its own, `PartitionProxy(..., "
-        "subprocess=True)`). ParameterServerStrategy (tf-keras) was not run on these events.",
-    ]
-    text = "\n".join(lines)
+            # Side by side: each event under each strategy before the next event.
+            for event in events:
+                for strategy in strategies:
+                    folder = Path(tmp) / f"{strategy}-{event}-{repeat}"
+                    folder.mkdir()
+                    if strategy == "pss":
+                        result = _pss_event(event, folder, args.tf_keras_python)
+                    elif event == "ps":
+                        result = _ps_event(folder)
+                    else:
+                        result = _worker_event(event, folder)
+                    print(strategy, event, json.dumps(result), flush=True)
+                    rows[strategy, event].append(result)
+    text = _table(rows, events, strategies, args.repeats)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+NAMES = {"tf_diffmap": "tf_diffmap", "pss": "ParameterServerStrategy (tf-keras)"}
+
+
+def _table(rows: dict, events: list[str], strategies: list[str], repeats: int) -> str:
+    def med(strategy, event, key):
+        values = [r[key] for r in rows[strategy, event] if r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
+    lines = [
+        f"Short epochs ({STEPS} steps of batch 32, 2 workers + 1 ps on localhost), event at "
+        f"the start of epoch {EVENT_EPOCH} of {EPOCHS}; medians of {repeats} run(s).",
+        "",
+        "| Event | Strategy | Epoch before (s) | Event's epoch (s) | Epoch after (s) | Cost (s) "
+        "| Updates lost | Speed after / before |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for event, name in WORKER_EVENTS.items():
+        if event not in events:
+            continue
+        for strategy in strategies:
+            m = functools.partial(med, strategy, event)
+            hung = [r for r in rows[strategy, event] if "hung_for" in r]
+            if hung:
+                lines.append(
+                    f"| {name} | {NAMES[strategy]} | | | | fit did not finish: stopped "
+                    f"{hung[0]['hung_for']} s after the event ({len(hung)} of "
+                    f"{len(rows[strategy, event])} run(s)) | | |"
+                )
+                continue
+            lines.append(
+                f"| {name} | {NAMES[strategy]} | {m('before'):.2f} | {m('event_epoch'):.2f} "
+                f"| {m('after'):.2f} | {m('cost'):.2f} | {m('updates_lost'):.0f} "
+                f"| {m('speed_after'):.2f}x |"
+            )
+    if "ps" in events:
+        m = functools.partial(med, "tf_diffmap", "ps")
+        lines.append(
+            "| kill the ps; the supervisor restarts it and the script | tf_diffmap | | | "
+            f"| {m('to_resumed_epoch_end'):.1f} to the end of the resumed epoch "
+            f"(new chief after {m('to_new_chief'):.1f}) | {m('updates_lost'):.0f} | |"
+        )
+        if "pss" in strategies:
+            raised = sorted({str(r.get("raised")) for r in rows["pss", "ps"]})
+            lines.append(
+                f"| kill the ps (no supervisor) | {NAMES['pss']} | | | "
+                f"| fit raised {', '.join(raised)} after {med('pss', 'ps', 'to_error'):.1f}; "
+                "a human restarts the job | | |"
+            )
+    lines += [
+        "",
+        "A partition is a relay in a process of its own at the worker's address "
+        "(`PartitionProxy(..., subprocess=True)`) that drops everything without closing a "
+        "connection; a partitioned ps is checked by tests/test_stalls_cluster.py, not here."
+        + (
+            ""
+            if "pss" in strategies
+            else " ParameterServerStrategy (tf-keras) was not run: pass --tf-keras-python."
+        ),
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

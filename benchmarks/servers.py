@@ -44,6 +44,9 @@ class LocalServers:
         host: the address every task listens on.
         start_timeout: seconds to wait for every server to serve.
         env: extra environment variables for every server.
+        listen_ports: `{(job, index): port}`: tasks that listen on a port
+            other than their address's, where a relay at their address
+            (`tf_diffmap.cluster.PartitionProxy`) passes the others' traffic on.
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class LocalServers:
         host: str = "127.0.0.1",
         start_timeout: float = 120.0,
         env: dict[str, str] | None = None,
+        listen_ports: dict[tuple[str, int], int] | None = None,
     ):
         # Imported here: the servers' own processes need no tf_diffmap.
         from tf_diffmap.cluster.local import free_ports
@@ -69,6 +73,7 @@ class LocalServers:
         self._processes: list[tuple[str, subprocess.Popen, Path]] = []
         self._log_dir: Path | None = None
         self._env = dict(env or {})
+        self._listen_ports = dict(listen_ports or {})
 
     @property
     def pids(self) -> list[int]:
@@ -94,6 +99,9 @@ class LocalServers:
             for job in ("worker", "ps"):
                 for index in range(len(self.cluster_spec[job])):
                     config = {"cluster": self.cluster_spec, "task": {"type": job, "index": index}}
+                    listen = self._listen_ports.get((job, index))
+                    if listen is not None:
+                        config["listen_port"] = listen
                     stem = self._log_dir / f"{job}-{index}"
                     with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
                         process = subprocess.Popen(
@@ -162,13 +170,17 @@ def serve() -> None:
     import tensorflow as tf
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    server = tf.distribute.Server(
-        resolver.cluster_spec(),
+    server_def = tf.train.ServerDef(
+        cluster=resolver.cluster_spec().as_cluster_def(),
         job_name=resolver.task_type,
         task_index=resolver.task_id,
         protocol="grpc",
-        start=True,
     )
+    # A task behind a relay listens on a port of its own (`listen_ports`).
+    listen = json.loads(os.environ["TF_CONFIG"]).get("listen_port")
+    if listen is not None:
+        server_def.port = int(listen)
+    server = tf.distribute.Server(server_def, start=True)
 
     def exit_at_end_of_stdin() -> None:
         sys.stdin.buffer.read()

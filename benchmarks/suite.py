@@ -119,7 +119,8 @@ def detect_tf_keras(python: str) -> dict[str, Any]:
         out["reason"] = (
             f"{', '.join(missing)} not importable by {python}; make an environment with "
             "`python -m venv /tmp/tfkeras-venv && /tmp/tfkeras-venv/bin/pip install "
-            '"tensorflow-cpu==2.21.*" scikit-learn && /tmp/tfkeras-venv/bin/pip install '
+            '"tensorflow-cpu==2.21.*" "tensorboard==2.21.*" scikit-learn && '
+            "/tmp/tfkeras-venv/bin/pip install "
             '--no-deps "tf-keras==2.21.*"` and pass --tf-keras-python /tmp/tfkeras-venv/bin/python'
         )
     else:

@@ -732,3 +732,39 @@ def test_smoke_examples_runner(tmp_path):
     assert rows["tf_diffmap"]["mean_staleness_steps"][0] >= 0
     markdown = (docs / "results.md").read_text()
     assert "| feature_space (val_accuracy, higher is better) |" in markdown
+
+
+def test_the_fault_table_puts_each_event_side_by_side_under_both_strategies():
+    from benchmarks import fault_table
+
+    worker = {
+        "before": 1.0,
+        "event_epoch": 3.0,
+        "after": 1.5,
+        "cost": 2.0,
+        "updates_lost": 4,
+        "speed_after": 1 / 1.5,
+    }
+    rows = {
+        ("tf_diffmap", "kill_worker"): [worker],
+        ("pss", "kill_worker"): [{**worker, "cost": 6.0, "updates_lost": 0}],
+        ("tf_diffmap", "ps"): [
+            {"to_resumed_epoch_end": 39.0, "to_new_chief": 32.9, "updates_lost": 120}
+        ],
+        ("pss", "ps"): [{"raised": "UnavailableError", "to_error": 2.5}],
+    }
+    text = fault_table._table(rows, ["kill_worker", "ps"], ["tf_diffmap", "pss"], 1)
+    lines = text.splitlines()
+    kill = [line for line in lines if line.startswith("| kill worker 1 |")]
+    assert kill == [
+        "| kill worker 1 | tf_diffmap | 1.00 | 3.00 | 1.50 | 2.00 | 4 | 0.67x |",
+        "| kill worker 1 | ParameterServerStrategy (tf-keras) | 1.00 | 3.00 | 1.50 | 6.00 | 0 "
+        "| 0.67x |",
+    ]
+    assert any("39.0 to the end of the resumed epoch (new chief after 32.9)" in x for x in lines)
+    assert any("fit raised UnavailableError after 2.5" in x for x in lines)
+    assert "pass --tf-keras-python" not in text
+    alone = fault_table._table(
+        {k: v for k, v in rows.items() if k[0] == "tf_diffmap"}, ["kill_worker"], ["tf_diffmap"], 1
+    )
+    assert "ParameterServerStrategy (tf-keras) was not run: pass --tf-keras-python." in alone
