@@ -44,7 +44,8 @@ class PartitionProxy:
             stopped by `close()`) instead of threads of this one.
 
     Attributes:
-        address: where the proxy listens, `host:port`.
+        address: where the proxy listens, `host:port` (with `subprocess=True`,
+            once `start()` has returned).
 
     Examples:
         >>> import socket
