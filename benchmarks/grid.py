@@ -152,9 +152,10 @@ _SYNC_RATE_GRID = {
 REFERENCE_VARIANTS = ("sync", "none", "default")
 # Candidates for the default, run on the tuning half instead of "default":
 # aggregation with each bound on the staleness in optimizer steps
-# (`max_step_staleness`; unbounded: None), and the previous default (every
-# shard's gradient a step, AsyncOptimizer's "auto" rule).
-TUNING_VARIANTS = ("agg_unbounded", "agg_bound_1", "agg_bound_2", "per_shard_auto")
+# (`max_step_staleness`; unbounded: None; 0 keeps only gradients computed on
+# the newest parameters), and the previous default (every shard's gradient
+# a step, AsyncOptimizer's "auto" rule).
+TUNING_VARIANTS = ("agg_unbounded", "agg_bound_0", "agg_bound_1", "agg_bound_2", "per_shard_auto")
 
 
 def default_variant() -> str:

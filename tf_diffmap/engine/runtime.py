@@ -246,13 +246,12 @@ class Runtime:
                 f"{stats.overall_mean_step_staleness:.2f} optimizer steps, max "
                 f"{stats.overall_max_step_staleness}; max_step_staleness={bound}), so the "
                 "optimizer takes the steps of synchronous training on the whole batch. Try "
-                "a lower learning rate: synchronous training at this one may diverge too"
+                "a lower learning rate (half the one tuned for synchronous training held "
+                "best on tf_diffmap's grid of conditions): at this one the optimizer may run "
+                "near its stability limit even in synchronous training"
                 + (
-                    "; or drop stale gradients with Strategy(max_step_staleness=1)."
+                    "; and drop stale gradients with Strategy(max_step_staleness=1), the default."
                     if bound is None or bound > 1
-                    else "; or keep only gradients computed on the newest parameters with "
-                    "Strategy(max_step_staleness=0), which drops more of them."
-                    if bound == 1
                     else "."
                 )
             )
