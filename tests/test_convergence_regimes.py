@@ -17,6 +17,7 @@ to [0, 1] collapsed to 0.38 at 16 replicas (issue 40).
 """
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -37,22 +38,29 @@ MODELS = {
 }
 
 # The least accuracy each model must reach, set from runs on this 2-core
-# host while other work ran (load average 6 to 9), seed 0, 15 epochs, 3 runs
-# of each (`tests/regimes_runner.py`), validation accuracy (staleness: mean,
-# in versions):
+# host while other work ran (load average 6 to 9), seed 0, 15 epochs
+# (`tests/regimes_runner.py`), validation accuracy (staleness: mean, in
+# versions):
 #
-#                 sync (MirroredStrategy)   default, 4 replicas        default, 16 replicas
-#   MLP, [0, 1]   0.964 (3 runs alike)      0.842, 0.853, 0.908 (2.1)  0.839, 0.933, 0.936 (10)
-#   CNN, std.     0.936 (3 runs alike)      0.911, 0.939, 0.961 (2.6)  0.894, 0.908, 0.939 (11)
+#              sync (MirroredStrategy)  default, 4 replicas       default, 16 replicas
+#   MLP, [0, 1]  0.964 (3 runs alike)     0.769-0.953, 12 runs (2)  0.792-0.942, 11 runs (10)
+#   CNN, std.    0.936 (3 runs alike)     0.911, 0.939, 0.961 (3)   0.894, 0.908, 0.939 (11)
 #
-# The floors sit 4 points under the lowest run of the default: the default
-# stays far from the collapse that per-shard steps gave this MLP (0.38 at 16
-# replicas), and the MLP ends 3 to 12 points under sync on [0, 1] inputs.
-FLOORS = {"mlp": 0.80, "cnn": 0.85}
+# The MLP on [0, 1] inputs with momentum is where the default runs near its
+# limit (docs/staleness-aware-updates.md): one run in ten ends under 0.80.
+# So it trains MLP_RUNS times and the median must clear its floor, which
+# sits under every run seen (a median of three under 0.75 would take two
+# such runs); the CNN trains once, 4 points under its lowest run. Both stay
+# far from the collapse that per-shard steps gave this MLP (0.38 at 16
+# replicas).
+FLOORS = {"mlp": 0.75, "cnn": 0.85}
+MLP_RUNS = 3
 
 
-def run_default(replicas_per_device: int) -> dict[str, dict]:
-    """Both models under the default, in one fresh process."""
+def run_default(replicas_per_device: int) -> dict[str, list[dict]]:
+    """Both models under the default, in one fresh process: the MLP
+    `MLP_RUNS` times, the CNN once."""
+    runs = {"mlp": MLP_RUNS, "cnn": 1}
     configs = [
         {
             "variant": "default",
@@ -67,6 +75,7 @@ def run_default(replicas_per_device: int) -> dict[str, dict]:
             "device_seconds": 0.003,
         }
         for model, (preprocessing, rate, batch) in MODELS.items()
+        for _ in range(runs[model])
     ]
     proc = subprocess.run(
         [sys.executable, str(RUNNER), json.dumps(configs)],
@@ -77,7 +86,10 @@ def run_default(replicas_per_device: int) -> dict[str, dict]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("@@regimes@@ "))
-    return dict(zip(MODELS, json.loads(line.split(" ", 1)[1])))
+    results: dict[str, list[dict]] = {}
+    for config, result in zip(configs, json.loads(line.split(" ", 1)[1]), strict=True):
+        results.setdefault(config["model"], []).append(result)
+    return results
 
 
 @pytest.mark.parametrize(
@@ -89,10 +101,12 @@ def test_default_trains_momentum_sgd_where_staleness_is_real(replicas_per_device
     """SGD with momentum 0.9 on the digits MLP and CNN, the optimizer as
     tuned for synchronous training, not wrapped."""
     results = run_default(replicas_per_device)
-    for model, result in results.items():
-        assert result["replicas"] == 4 * replicas_per_device
-        # K = N: one optimizer step per batch, whatever the replicas.
-        assert result["gradients_per_step"] == result["replicas"]
-        # The regime is real: replicas overlapped as that many devices would.
-        assert result["mean_staleness"] >= min_staleness, (model, result)
-        assert result["accuracy"] >= FLOORS[model], (model, result)
+    for model, runs in results.items():
+        for result in runs:
+            assert result["replicas"] == 4 * replicas_per_device
+            # K = N: one optimizer step per batch, whatever the replicas.
+            assert result["gradients_per_step"] == result["replicas"]
+            # The regime is real: replicas overlapped as that many devices would.
+            assert result["mean_staleness"] >= min_staleness, (model, result)
+        accuracy = statistics.median(r["accuracy"] for r in runs)
+        assert accuracy >= FLOORS[model], (model, [r["accuracy"] for r in runs])
