@@ -271,6 +271,7 @@ def test_a_killed_worker_restarts_and_serves_at_its_port(tmp_path):
     assert (tmp_path / "worker-1.out").exists(), "a given log_dir is kept"
 
 
+@pytest.mark.slow  # starts server processes
 @pytest.mark.timeout(60)
 def test_a_server_that_cannot_start_is_named_with_its_stderr(tmp_path):
     local = cluster.LocalCluster(workers=1, ps=1, log_dir=tmp_path)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import os
@@ -43,6 +45,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a process of its own
 def test_training_on_one_host_imports_nothing_of_the_cluster():
     # A process of its own: modules that other tests imported do not count.
     result = subprocess.run(

@@ -113,6 +113,7 @@ def test_model_built_outside_the_scope_is_refused(optimizer):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+@pytest.mark.slow  # a process of its own
 def test_optimizer_created_outside_the_scope_is_named_in_a_fresh_process():
     """An optimizer created before `with strategy.scope():`, with the model
     built inside: the error says so and how to fix it (TensorFlow's own speak

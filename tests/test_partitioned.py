@@ -191,6 +191,7 @@ def test_a_split_variable_reads_gathers_and_scatters_by_row():
         variable.scatter_nd_add([[0, 0]], [1.0])
 
 
+@pytest.mark.slow  # a process of its own
 def test_keras_file_loads_as_one_table_without_the_package(tmp_path):
     rows = 1_000
     _, model = one_replica(rows, "adam", SPLIT)

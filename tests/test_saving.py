@@ -9,6 +9,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_diffmap
@@ -28,6 +29,7 @@ def trained(tmp_path, optimizer=lambda: "adam"):
     return strategy, model, x, y
 
 
+@pytest.mark.slow  # a process of its own
 def test_keras_file_round_trip_and_load_without_the_package(tmp_path):
     strategy, model, x, _ = trained(tmp_path)
     path = tmp_path / "model.keras"
@@ -54,6 +56,7 @@ def test_keras_file_round_trip_and_load_without_the_package(tmp_path):
     assert "loaded without tf_diffmap" in result.stdout
 
 
+@pytest.mark.slow  # a process of its own
 def test_keras_file_with_async_optimizer_loads_as_the_readme_says(tmp_path):
     """A `.keras` file names its optimizer's class: without tf_diffmap it
     loads with `compile=False` (and Keras' error names the module to import);
