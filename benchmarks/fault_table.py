@@ -166,8 +166,7 @@ CHIEF = textwrap.dedent(
 PSS_CHIEF = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
-    import numpy as np, tensorflow as tf
+    import numpy as np, tensorflow as tf  # tf.keras is tf-keras: TF_USE_LEGACY_KERAS=1
     from benchmarks.servers import LocalServers
 
     event, out = sys.argv[1], sys.argv[2]
@@ -419,7 +418,7 @@ def _table(rows: dict, events: list[str], strategies: list[str], repeats: int) -
             raised = sorted({str(r.get("raised")) for r in rows["pss", "ps"]})
             lines.append(
                 f"| kill the ps (no supervisor) | {NAMES['pss']} | | | "
-                f"| fit raised {', '.join(raised)} after {med('pss', 'ps', 'to_error'):.1f}; "
+                f"| fit raised {', '.join(raised)} after {med('pss', 'ps', 'to_error'):.1f} s; "
                 "a human restarts the job | | |"
             )
     lines += [

@@ -29,6 +29,8 @@ __all__ = ["LocalServers", "serve"]
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "serving"
+# The port a server listens on where it is not its address's (`listen_ports`).
+LISTEN_PORT = "BENCHMARK_SERVER_LISTEN_PORT"
 
 
 class LocalServers:
@@ -100,8 +102,7 @@ class LocalServers:
                 for index in range(len(self.cluster_spec[job])):
                     config = {"cluster": self.cluster_spec, "task": {"type": job, "index": index}}
                     listen = self._listen_ports.get((job, index))
-                    if listen is not None:
-                        config["listen_port"] = listen
+                    port_env = {} if listen is None else {LISTEN_PORT: str(listen)}
                     stem = self._log_dir / f"{job}-{index}"
                     with open(f"{stem}.out", "wb") as out, open(f"{stem}.err", "wb") as err:
                         process = subprocess.Popen(
@@ -109,7 +110,7 @@ class LocalServers:
                             stdin=subprocess.PIPE,
                             stdout=out,
                             stderr=err,
-                            env={**env, "TF_CONFIG": json.dumps(config)},
+                            env={**env, "TF_CONFIG": json.dumps(config), **port_env},
                             cwd=ROOT,
                             start_new_session=True,
                         )
@@ -177,9 +178,8 @@ def serve() -> None:
         protocol="grpc",
     )
     # A task behind a relay listens on a port of its own (`listen_ports`).
-    listen = json.loads(os.environ["TF_CONFIG"]).get("listen_port")
-    if listen is not None:
-        server_def.port = int(listen)
+    if LISTEN_PORT in os.environ:
+        server_def.port = int(os.environ[LISTEN_PORT])
     server = tf.distribute.Server(server_def, start=True)
 
     def exit_at_end_of_stdin() -> None:

@@ -97,12 +97,13 @@ def max_workers(env: Mapping[str, str]) -> int | None:
         TaskError: a value that is not a whole number of at least 1.
     """
     value = env.get("TF_DIFFMAP_MAX_WORKERS")
-    if not value:
-        return None
+    return _at_least_one("TF_DIFFMAP_MAX_WORKERS", value) if value else None
+
+
+def _at_least_one(name: str, value: str) -> int:
+    """A variable's whole number of at least 1, or a TaskError that says so."""
     if not value.strip().isdigit() or int(value) < 1:
-        raise TaskError(
-            f"TF_DIFFMAP_MAX_WORKERS must be a whole number of at least 1, received {value!r}."
-        )
+        raise TaskError(f"{name} must be a whole number of at least 1, received {value!r}.")
     return int(value)
 
 
@@ -247,12 +248,7 @@ def command(tf_config: str, argv: Sequence[str], env: Mapping[str, str]) -> list
         server = [sys.executable, "-m", "tf_diffmap.cluster"]
         cpus = env.get("TF_DIFFMAP_LOGICAL_CPUS")
         if cpus is not None and task_type == "worker":
-            if not cpus.isdigit() or int(cpus) < 1:
-                raise TaskError(
-                    f"TF_DIFFMAP_LOGICAL_CPUS must be a whole number of at least 1, "
-                    f"received {cpus!r}."
-                )
-            server += ["--logical-cpus", cpus]
+            server += ["--logical-cpus", str(_at_least_one("TF_DIFFMAP_LOGICAL_CPUS", cpus))]
         if task_type == "worker" and elastic:
             server += ["--join"]
         return server

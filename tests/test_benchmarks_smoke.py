@@ -762,7 +762,7 @@ def test_the_fault_table_puts_each_event_side_by_side_under_both_strategies():
         "| 0.67x |",
     ]
     assert any("39.0 to the end of the resumed epoch (new chief after 32.9)" in x for x in lines)
-    assert any("fit raised UnavailableError after 2.5" in x for x in lines)
+    assert any("fit raised UnavailableError after 2.5 s" in x for x in lines)
     assert "pass --tf-keras-python" not in text
     alone = fault_table._table(
         {k: v for k, v in rows.items() if k[0] == "tf_diffmap"}, ["kill_worker"], ["tf_diffmap"], 1

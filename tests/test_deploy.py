@@ -611,12 +611,15 @@ def test_an_elastic_cluster_names_workers_beyond_its_count_up_to_its_most(monkey
 CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
 
 
-def start_task(tf_config: str, log: Path, args: list[str] | None = None) -> subprocess.Popen:
-    """One task through the image's entrypoint, with TF_CONFIG as the operator sets it."""
+def start_task(
+    tf_config: str, log: Path, args: list[str] | None = None, env: dict | None = None
+) -> subprocess.Popen:
+    """One task through the image's entrypoint, with TF_CONFIG as the operator
+    sets it (and `env` beside it, as a pod's manifest gives)."""
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, str(DEPLOY / "entrypoint.py"), *(args or [])],
-            env=dict(CHILD_ENV, TF_CONFIG=tf_config),
+            env=dict(CHILD_ENV, TF_CONFIG=tf_config, **(env or {})),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -723,8 +726,8 @@ def test_through_the_entrypoint_a_scaled_up_worker_joins_and_leaves_on_sigterm(t
     chief_port = free_port_pair()
     ports = iter(p for p in free_ports(6) if p not in (chief_port, chief_port + 1))
     workers = [f"127.0.0.1:{next(ports)}" for _ in range(3)]
-    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": workers[:2], "ps": []}
-    cluster["ps"] = [f"127.0.0.1:{next(ports)}"]
+    ps = [f"127.0.0.1:{next(ports)}"]
+    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": workers[:2], "ps": ps}
     elastic = {"TF_DIFFMAP_MAX_WORKERS": "3"}
 
     def tf_config(task_type: str, index: int, workers_named: int = 2) -> str:
@@ -732,14 +735,7 @@ def test_through_the_entrypoint_a_scaled_up_worker_joins_and_leaves_on_sigterm(t
         return json.dumps({"cluster": named, "task": {"type": task_type, "index": index}})
 
     def start(name: str, config: str, args=None) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as out:
-            return subprocess.Popen(
-                [sys.executable, str(DEPLOY / "entrypoint.py"), *(args or [])],
-                env=dict(CHILD_ENV, TF_CONFIG=config, **elastic),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        return start_task(config, tmp_path / f"{name}.log", args, env=elastic)
 
     def log(name: str) -> str:
         return (tmp_path / f"{name}.log").read_text()
