@@ -103,12 +103,16 @@ def test_epoch_points_are_the_strategys_own_statistics(tmp_path):
     # yet every epoch has its staleness point.
     assert steps_of(read_run(tmp_path / "train"), "batch_loss") == list(range(3, 25, 3))
     assert steps_of(series, metadata.VERSION) == list(range(epochs))
-    assert not any(tag.startswith("rule/") for tag in series)  # no AsyncOptimizer rule
+    # No AsyncOptimizer rule: no learning-rate factor. The default's bound on
+    # the staleness in steps may drop a gradient (on a busy host it does, now
+    # and then), and its drops are written per point like a rule's.
+    assert not any(tag.startswith(metadata.LR_SCALE) for tag in series)
+    assert strategy.max_step_staleness is not None
 
     snapshots = recorder.snapshots
     for epoch in range(epochs):
         now, interval = snapshots[epoch + 1], snapshots[epoch + 1].since(snapshots[epoch])
-        assert interval.dropped.sum() == 0 and interval.histogram[:, -1].sum() == 0
+        assert interval.histogram[:, -1].sum() == 0
         assert series[metadata.VERSION][epoch][1] == now.version
         for r in range(REPLICAS):
 
@@ -116,6 +120,7 @@ def test_epoch_points_are_the_strategys_own_statistics(tmp_path):
                 return float(series[metadata.tag(name, r)][epoch][1])
 
             assert value(metadata.UPDATES) == interval.updates[r]
+            assert value(metadata.DROPPED) == interval.dropped[r]
             assert value(metadata.MEAN) == pytest.approx(interval.mean_staleness[r], rel=1e-6)
             assert value(metadata.MAX) == interval.interval_max_staleness[r]
             assert value(metadata.SHARE) == pytest.approx(interval.work_share[r], rel=1e-6)

@@ -597,6 +597,11 @@ def test_lost_replicas_are_a_series_of_their_own(tmp_path):
 
     assert any("lost" in t for t in titles(scalars_layout(rules=False, faults=True)))
     assert not any("lost" in t for t in titles(scalars_layout(rules=False)))
+    # Drops without a rule (the strategy's step bound): their chart, no factor's.
+    dropping = titles(scalars_layout(rules=False, dropping=True))
+    assert "Dropped updates per replica" in dropping
+    assert not any("learning-rate" in t for t in dropping)
+    assert not any("Dropped" in t for t in titles(scalars_layout(rules=False)))
 
 
 # -- the HTTP API ---------------------------------------------------------------
@@ -676,7 +681,12 @@ def test_runs_and_series_match_the_strategy(served):
         assert sum(value for _, value in updates[str(r)]) == stats.updates[r]
     assert [step for step, _ in updates["all"]] == trained.steps
     assert set(body["series"]) >= {metadata.MEAN, metadata.MAX, metadata.SHARE}
-    assert metadata.DROPPED not in body["series"]  # no AsyncOptimizer rule in this run
+    # No AsyncOptimizer rule in this run: no learning-rate factor, but the
+    # default's bound on the staleness in steps may drop, and its drops are there.
+    assert metadata.LR_SCALE not in body["series"]
+    dropped = body["series"][metadata.DROPPED]
+    for r in range(REPLICAS):
+        assert sum(value for _, value in dropped[str(r)]) == stats.dropped[r]
     # Four replicas aggregate four gradients to an optimizer step: both units.
     assert stats.aggregated and run["gradients_per_step"] == REPLICAS
     assert body["totals"]["step_staleness_sum"] == stats.step_staleness_sum.tolist()

@@ -182,7 +182,9 @@ class StalenessTensorBoard(keras.callbacks.Callback):
       `staleness/steps/max/...` and `staleness/steps/distribution/...`, with
       `store/optimizer_steps` and `store/gradients_per_step`;
     - `rule/dropped/...` and `rule/lr_scale/...` when the model's
-      `tf_diffmap.AsyncOptimizer` has an active rule;
+      `tf_diffmap.AsyncOptimizer` has an active rule, and `rule/dropped/...`
+      where the strategy's `max_step_staleness` (the default with
+      aggregation) may drop stale gradients;
     - a custom-scalars layout that puts every replica's line of a series in
       one chart, and the data of the "Staleness" tab that tf_diffmap adds to
       TensorBoard.
@@ -343,6 +345,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             totals=self._totals,
             faults=strategy.extended.runtime.worker_hosts is not None,
             step_totals=self._step_totals,
+            dropping=strategy.gradients_per_step > 1 and strategy.max_step_staleness is not None,
         )
         self._writer.write_layout()
         self._point_error = None

@@ -11,7 +11,9 @@ directory), with one tag per replica and series:
     work/updates/...  work/share/replica_0  work/examples_per_second/...
     work/lost/...                         (from the first point after a replica was lost)
     store/version
-    rule/dropped/...  rule/lr_scale/...   (only when an AsyncOptimizer rule is active)
+    rule/dropped/...  rule/lr_scale/...   (only when an AsyncOptimizer rule is active;
+                                           rule/dropped also where the strategy's
+                                           max_step_staleness may drop gradients)
     staleness/totals                      (this plugin's own tensor)
 
 and, where the store aggregates shard gradients into optimizer steps

@@ -324,7 +324,9 @@ def interval_figures_many(
     )
 
 
-def scalars_layout(rules: bool, faults: bool = False, steps: bool = False) -> layout_pb2.Layout:
+def scalars_layout(
+    rules: bool, faults: bool = False, steps: bool = False, dropping: bool = False
+) -> layout_pb2.Layout:
     """The custom-scalars layout: every replica's line of a series in one chart.
 
     TensorBoard merges the layouts of all runs, dropping charts that are the
@@ -335,6 +337,8 @@ def scalars_layout(rules: bool, faults: bool = False, steps: bool = False) -> la
         faults: add the chart of lost replicas (training on a cluster).
         steps: add the charts of the staleness in optimizer steps and of
             the store's steps (a store that aggregates gradients into steps).
+        dropping: add the chart of dropped updates without a rule (the
+            strategy's `max_step_staleness` drops stale gradients).
 
     Returns:
         A `layout_pb2.Layout` with one category, `metadata.LAYOUT_CATEGORY`.
@@ -375,11 +379,10 @@ def scalars_layout(rules: bool, faults: bool = False, steps: bool = False) -> la
         ]
     if faults:
         charts.append(chart("Replicas lost (1 while lost)", metadata.LOST))
+    if rules or dropping:
+        charts.append(chart("Dropped updates per replica", metadata.DROPPED))
     if rules:
-        charts += [
-            chart("Dropped updates per replica", metadata.DROPPED),
-            chart("Effective learning-rate scale per replica", metadata.LR_SCALE),
-        ]
+        charts.append(chart("Effective learning-rate scale per replica", metadata.LR_SCALE))
     return layout_pb2.Layout(
         category=[layout_pb2.Category(title=metadata.LAYOUT_CATEGORY, chart=charts)]
     )
@@ -398,7 +401,8 @@ _DESCRIPTIONS = {
     metadata.LOST: "1 where the replica was lost (its worker unreachable, or rejoining), "
     "else 0; for all replicas, how many were.",
     metadata.VERSION: "Updates the parameter store has applied since it was created.",
-    metadata.DROPPED: "Updates computed but not applied (staler than drop_above).",
+    metadata.DROPPED: "Updates computed but not applied: staler than the AsyncOptimizer's "
+    "drop_above, or than the strategy's max_step_staleness in optimizer steps.",
     metadata.LR_SCALE: "Mean factor the staleness rule applied to the learning rate.",
     metadata.STEP_MEAN: "Mean staleness in optimizer steps of the interval's updates "
     "(applied or dropped): steps the store applied between the read of the parameters "
@@ -494,6 +498,8 @@ class StalenessSummaryWriter:
             layout gets a chart of them.
         step_totals: the running totals of the staleness in optimizer steps
             to continue from (`[replicas, len(STEP_TOTALS_COLUMNS)]`).
+        dropping: also write the dropped updates without a rule (the
+            strategy's `max_step_staleness` drops stale gradients).
 
     The staleness in optimizer steps, the store's steps and `STEP_TOTALS`
     are written for the points whose interval is aggregated (its `steps`
@@ -512,9 +518,11 @@ class StalenessSummaryWriter:
         totals: np.ndarray | None = None,
         faults: bool = False,
         step_totals: np.ndarray | None = None,
+        dropping: bool = False,
     ):
         self.run_info = run_info
         self.rules = rules
+        self.dropping = rules or dropping
         self.faults = faults
         self.totals = _totals_of(totals, run_info, metadata.TOTALS_COLUMNS, "totals")
         self.step_totals = _totals_of(
@@ -531,7 +539,7 @@ class StalenessSummaryWriter:
                 updates=self._get(metadata.UPDATES, r),
                 share=None if r is None else self._get(metadata.SHARE, r),
                 examples_per_second=self._get(metadata.EXAMPLES_PER_SECOND, r),
-                dropped=self._get(metadata.DROPPED, r) if rules else None,
+                dropped=self._get(metadata.DROPPED, r) if self.dropping else None,
                 lr_scale=self._get(metadata.LR_SCALE, r) if rules else None,
                 lost=self._get(metadata.LOST, r),
                 step_mean=self._get(metadata.STEP_MEAN, r),
@@ -693,10 +701,11 @@ class StalenessSummaryWriter:
         if stack.examples_per_second is not None:
             values[:, :rows, 6] = stack.examples_per_second
             present[:, :rows, 6] = stack.timed[:, None]
-        if self.rules:
+        if self.dropping:
             values[:, :rows, 7] = stack.dropped
-            values[:, :rows, 8] = stack.lr_scale
             present[:, :rows, 7] = True
+        if self.rules:
+            values[:, :rows, 8] = stack.lr_scale
             present[:, :rows, 8] = stack.updates > 0
         for k, replicas in enumerate(lost):
             if replicas is not None:
@@ -750,7 +759,10 @@ class StalenessSummaryWriter:
     def write_layout(self) -> None:
         """Writes the custom-scalars layout (once per writer is enough)."""
         layout = scalars_layout(
-            self.rules, self.faults, steps=self.run_info.gradients_per_step is not None
+            self.rules,
+            self.faults,
+            steps=self.run_info.gradients_per_step is not None,
+            dropping=self.dropping,
         )
         value = summary_pb2.Summary.Value(
             tag=custom_scalar_metadata.CONFIG_SUMMARY_TAG,

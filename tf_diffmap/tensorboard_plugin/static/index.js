@@ -408,7 +408,9 @@ class StalenessApp {
         );
       }
       const dropped = sum(totals.dropped);
-      if (info.rule || dropped) card("Dropped updates", formatNumber(dropped), info.rule ? `rule: ${info.rule}` : "", dropped > 0);
+      // Without a rule, only the strategy's bound on the staleness in optimizer steps drops.
+      const why = info.rule ? `rule: ${info.rule}` : info.gradients_per_step ? "staler than max_step_staleness steps" : "";
+      if (info.rule || dropped) card("Dropped updates", formatNumber(dropped), why, dropped > 0);
     }
     const { now, ever } = this.lostReplicas();
     if (ever.length) {
