@@ -465,6 +465,7 @@ SECOND_FIT_CLIENT = textwrap.dedent(
             "point_steps": [e.step for e in events.Tensors("work/updates/all")],
             "point_updates": sum(updates),
             "fit_updates": int(strategy.statistics().updates.sum() - first.updates.sum()),
+            "fit_dropped": int(strategy.statistics().dropped.sum() - first.dropped.sum()),
         }
     print(json.dumps(report))
     """
@@ -483,7 +484,10 @@ def test_a_second_fit_reads_its_own_dataset_on_the_workers(tmp_path):
     # (after the epoch's updates landed), and the points add up to every update.
     steps = report["point_steps"]
     assert steps and steps[-1] == 64 and steps == sorted(set(steps)), steps
-    assert report["point_updates"] == report["fit_updates"] == 64 * 2
+    # The default's bound on the staleness in steps may drop a gradient (on
+    # a busy host it does, now and then): applied and dropped make the 128.
+    assert report["point_updates"] == report["fit_updates"]
+    assert report["fit_updates"] + report["fit_dropped"] == 64 * 2
     assert report["point_updates_in_steps"] == 64 * 2
     steps = report["optimizer_steps"]
     assert steps == sorted(steps) and steps[-1] == report["statistics_steps"]

@@ -266,7 +266,12 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
     if cut == "forward":
 
         def check(t):
-            with tf.control_dependencies([tripwire(counter, k)]):
+            # In the forward pass once the shard is read. (A failure that runs
+            # beside a read of the worker's input still waiting can end that
+            # input for good: TensorFlow cancels the iterator with the read.)
+            with tf.control_dependencies([t]):
+                trip = tripwire(counter, k)
+            with tf.control_dependencies([trip]):
                 return tf.identity(t)
 
         layers.insert(1, keras.layers.Lambda(check))
