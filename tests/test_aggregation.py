@@ -243,11 +243,16 @@ def test_sparse_windows_match_dense_ones_on_the_touched_rows(optimizer):
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         results[name] = model.get_weights()
     touched = np.unique(x)
+    # A window sums its gradients in the order they arrive, which varies
+    # from run to run; Adam's first step divides each coordinate by its own
+    # size, so the float32 rounding of a coordinate near 0 moves its step by
+    # up to ~2e-6 here (seen on CI): within 1e-4 of one step of 0.1.
+    atol = 1e-5 if optimizer == "adam" else 1e-6
     for a, b, c in zip(results["lazy"], results["dense"], results["plain"]):
         if a.shape == (200, 4):
             a, b, c = a[touched], b[touched], c[touched]
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=atol)
 
 
 def test_a_partial_window_is_applied_at_the_drain():
