@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
 from tf_diffmap.store.accumulators import Accumulators
+from tf_diffmap.store.gate import Gate
 
 REPLICAS = 4
 
@@ -130,7 +131,7 @@ def test_concurrent_pushes_land_in_exactly_one_window_each():
     pushes, k = 240, 3
     with tf.init_scope():
         variable = tf.Variable(tf.zeros([pushes]))
-    accumulators = Accumulators(store, [variable], k)
+    accumulators = Accumulators(store, [variable], k, Gate(store.host, REPLICAS))
 
     @tf.function(autograph=False)
     def push(index):
@@ -163,7 +164,7 @@ def test_a_rejected_push_counts_in_its_window_and_adds_nothing():
     store = strategy.extended.runtime.store
     with tf.init_scope():
         variable = tf.Variable(tf.zeros([2]))
-    accumulators = Accumulators(store, [variable], 2)
+    accumulators = Accumulators(store, [variable], 2, Gate(store.host, REPLICAS))
 
     @tf.function(autograph=False)
     def push(value, accepted):

@@ -49,6 +49,8 @@ from tf_diffmap.engine.feed import StepFeed
 from tf_diffmap.engine.replica_step import ReplicaStep, run_eagerly, signature_of
 from tf_diffmap.engine.replicas import PS_TIMEOUT, WORKER_TIMEOUT, ReplicaReport
 from tf_diffmap.engine.runtime import Runtime
+from tf_diffmap.engine.windows import LATE_WINDOW_POLICIES, PATIENCE_MARGIN
+from tf_diffmap.store.gate import WindowStats
 from tf_diffmap.store.parameter_store import optimizer_outside_scope_message, outside_scope_message
 from tf_diffmap.store.partitioned import resolve_partitioner
 from tf_diffmap.store.staleness import StalenessStats
@@ -96,6 +98,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
         max_step_staleness: int | None = None,
         ps_timeout: float | None = None,
         absent_replicas: Sequence[int] = (),
+        late_window: str = "close",
+        patience_margin: float = PATIENCE_MARGIN,
     ):
         super().__init__(container_strategy)
         self.runtime = Runtime(
@@ -114,6 +118,8 @@ class _AsyncExtended(_tf_internal.ExtendedBase):
             max_step_staleness,
             ps_timeout,
             absent_replicas,
+            late_window,
+            patience_margin,
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
@@ -489,6 +495,8 @@ class Strategy(_tf_internal.StrategyBase):
         max_step_staleness: int | None = MAX_STEP_STALENESS,
         ps_timeout: float | None = PS_TIMEOUT,
         reserved_devices: Sequence[str] = (),
+        late_window: str = "close",
+        patience_margin: float = PATIENCE_MARGIN,
     ):
         _tf_internal.check_compatibility()
         _check_int("replicas_per_device", replicas_per_device, 1)
@@ -504,7 +512,33 @@ class Strategy(_tf_internal.StrategyBase):
                 1,
                 note=' or "auto" (one per replica)',
             )
-        _check_int("max_step_staleness", max_step_staleness, 0, "None (accept every gradient) or ")
+        _check_int(
+            "max_step_staleness",
+            max_step_staleness,
+            0,
+            "None (accept every gradient) or ",
+            " (0: fresh windows, replicas in step)",
+        )
+        if late_window not in LATE_WINDOW_POLICIES:
+            raise ValueError(
+                f"late_window must be one of {', '.join(map(repr, LATE_WINDOW_POLICIES))}, "
+                f"received {late_window!r}."
+            )
+        if (
+            isinstance(patience_margin, bool)
+            or not isinstance(patience_margin, (int, float))
+            or not patience_margin >= 0
+        ):
+            raise ValueError(
+                "patience_margin must be a number >= 0 (a fraction of the median "
+                f"replica's shard time), received {patience_margin!r}."
+            )
+        if max_step_staleness == 0 and max_staleness is not None:
+            raise ValueError(
+                f"max_staleness={max_staleness} bounds how far replicas run ahead of "
+                "each other, and max_step_staleness=0 already keeps them in step "
+                "(each waits for the window it pushed into): pass one of the two."
+            )
         if not isinstance(colocate_cpu_replicas, bool):
             raise ValueError(
                 f"colocate_cpu_replicas must be True or False, received {colocate_cpu_replicas!r}."
@@ -557,6 +591,8 @@ class Strategy(_tf_internal.StrategyBase):
                 max_step_staleness,
                 ps_timeout,
                 absent,
+                late_window,
+                float(patience_margin),
             )
         )
         # A model built outside every scope would train as plain Keras, silently.
@@ -634,6 +670,17 @@ class Strategy(_tf_internal.StrategyBase):
         """Per-replica updates, staleness and histogram (a snapshot)."""
         return self._runtime.store.statistics()
 
+    def window_statistics(self) -> WindowStats | None:
+        """What the model optimizer's windows did: steps, windows closed short
+        or filled, examples per step, and per replica its shard time and
+        its waits (a snapshot; None where gradients are not aggregated, or
+        before the first training step).
+
+        The figures of every optimizer that aggregates are kept; this is
+        the first one's (the model's, as a rule).
+        """
+        return self._runtime.window_statistics()
+
     def replica_states(self) -> list[ReplicaReport]:
         """Each replica's state, and when and why it was last lost (a snapshot).
 
@@ -648,6 +695,8 @@ class Strategy(_tf_internal.StrategyBase):
         """Zeroes the per-replica counters after waiting for updates in flight."""
         self.drain()
         self._runtime.store.reset_statistics()
+        for aggregation in self._runtime.aggregations():
+            aggregation.gate.reset()
 
     def reduce(
         self, reduce_op: tf.distribute.ReduceOp | str, value: Any, axis: int | None

@@ -160,7 +160,13 @@ class StepFeed:
                 return self._run_replica_step(replica_id, shard, device, claims)[2]
 
             loop = loop_function(
-                self.channel, apply_shard, self._skip, self._loop_start, self._stamp, fetch
+                self.channel,
+                apply_shard,
+                self._skip,
+                self._loop_start,
+                self._stamp,
+                fetch,
+                before_take=runtime.window_waits,
             )
             specs = [tf.TensorSpec([], tf.int32), *sources]
             if shared:
@@ -289,6 +295,14 @@ class StepFeed:
         applies its first shard in Keras' graph (`_first_step_call`).
         """
         tensors = [tf.convert_to_tensor(t) for t in self.step.tensors_of(args, kwargs)]
+        examples = batch_size(tensors) if self.worker_input is None else None
+        if examples is not None:
+            # Where windows are fresh, a full window holds a batch: known
+            # before any of its shards is pushed.
+            targets = self.runtime.window_targets(examples)
+            if targets:
+                with tf.control_dependencies(targets):
+                    tensors = [tf.identity(t) for t in tensors]
         started = self.started.read_value()
         if self.worker_input is not None:
             running = tf.cond(started, lambda: tf.constant(True), self._start_in_graph)
@@ -472,6 +486,10 @@ class StepFeed:
 
     def seconds_waited(self) -> list[float]:
         return self.loops.seconds_waited()
+
+    def queued(self) -> int:
+        """Items on the queue now, for a replica to take."""
+        return int(self.channel.queue.size())
 
     # -- what the loops call, from their threads (`workers.LoopRunner`) ------
 

@@ -334,6 +334,7 @@ def loop_function(
     start: Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]],
     stamp: Callable[[tf.Tensor], tf.Tensor],
     fetch: Callable[..., list[tf.Tensor]] | None = None,
+    before_take: Callable[[tf.Tensor], list] | None = None,
 ) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
     """A replica loop: take and apply up to `max_steps` shards, or a STOP.
 
@@ -353,6 +354,8 @@ def loop_function(
         fetch: where items are tokens, `(token, *sources) -> shard`: the
             shard a token stands for, read from the loop's own sources (its
             worker's input iterator).
+        before_take: `replica_id -> ops` that each take waits for (a fresh
+            window's wait, `tf_diffmap.store.gate`).
 
     Returns:
         `loop(replica, max_steps, *sources) -> (items taken, whether a STOP
@@ -380,7 +383,9 @@ def loop_function(
             return tf.logical_not(tf.logical_or(stopped, channel.fenced(replica_id())))
 
         def body(taken, stopped, claims):
-            stop, item = channel.take()
+            waits = before_take(replica_id()) if before_take is not None else []
+            with tf.control_dependencies(waits):
+                stop, item = channel.take()
             # Read once the item is taken: a fence set while the take waited
             # (for a queue that was empty) gives the item back.
             with tf.control_dependencies([stop]):

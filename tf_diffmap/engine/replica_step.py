@@ -200,6 +200,12 @@ class ReplicaStep:
         # Where the strategy aggregates gradients into steps, the optimizers
         # the step can reach take their steps through their aggregation.
         optimizers = optimizers_of(fn) if runtime.aggregates else []
+        # Where windows are fresh, a step reads which windows are applied
+        # before it reads the parameters.
+        aggregations = {
+            id(a): a for a in (runtime.aggregation_for(innermost(o)) for o in optimizers)
+        }
+        gates = [a.gate for a in aggregations.values() if a.fresh]
 
         def on_device(device):
             def step(replica_id, *tensors):
@@ -211,10 +217,15 @@ class ReplicaStep:
                     tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=replica_id),
                 ):
                     state = StepState(
-                        runtime.store, replica_id, examples, aggregating=runtime.aggregates
+                        runtime.store,
+                        replica_id,
+                        examples,
+                        aggregating=runtime.aggregates,
+                        gates=gates,
                     )
                     with tracing_step(state):
-                        with tf.control_dependencies([state.read_version]):
+                        reads = [state.read_version, *state.window_reads.values()]
+                        with tf.control_dependencies(reads):
                             outputs = fn(*args, **kwargs)
                         outputs = state.finish(outputs)
                     # Claims this replica has made in all (read after this

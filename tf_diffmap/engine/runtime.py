@@ -24,8 +24,11 @@ import tensorflow as tf
 
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.engine.guard import CollapseGuard
+from tf_diffmap.engine.replica_step import in_clean_thread
 from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
+from tf_diffmap.engine.windows import PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import ReplicaState
+from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.store.snapshots import CounterSnapshots
 from tf_diffmap.updates.aggregation import Aggregation
@@ -55,6 +58,7 @@ class Feed(Protocol):
     def states(self) -> list[ReplicaState]: ...
     def threads(self) -> list[threading.Thread]: ...
     def seconds_waited(self) -> list[float]: ...
+    def queued(self) -> int: ...
 
 
 class Runtime:
@@ -80,6 +84,11 @@ class Runtime:
         absent_replicas: replica slots no worker holds yet (a cluster that
             grows, `tf_diffmap.cluster.membership`): every per-replica count
             has their rows, and they train once their worker joins.
+        late_window: where windows are fresh (`max_step_staleness=0`), what
+            the window timer does with a window open past its patience:
+            `"close"` it short or `"fill"` it (`tf_diffmap.engine.windows`).
+        patience_margin: the patience's margin over the median replica's
+            read-to-push time.
     """
 
     def __init__(
@@ -96,8 +105,14 @@ class Runtime:
         max_step_staleness: int | None = None,
         ps_timeout: float | None = None,
         absent_replicas: Sequence[int] = (),
+        late_window: str = "close",
+        patience_margin: float = PATIENCE_MARGIN,
     ):
         self.replica_devices = list(replica_devices)
+        self.late_window = late_window
+        self.patience_margin = patience_margin
+        # Per aggregation whose windows are fresh, its window timer.
+        self._timers: dict[int, WindowTimer] = {}
         self._absent_at_start = list(absent_replicas)
         # Held while the workers' input is made or split anew, as workers
         # join, leave, rejoin, or a new `fit` distributes its dataset.
@@ -202,15 +217,76 @@ class Runtime:
         """The aggregation of an (innermost) optimizer's steps, made once."""
         aggregation = self._aggregations.get(id(optimizer))
         if aggregation is None or aggregation.optimizer is not optimizer:
+            replicas = len(self.replica_devices)
+            # Made outside the strategy's scope: none of its variables is a
+            # store variable, whose eager reads would drain.
+            gate = in_clean_thread(lambda: Gate(self.store.host, replicas), name="tf_diffmap-gate")
             aggregation = Aggregation(
                 optimizer,
                 self.store,
                 self.gradients_per_step,
                 self.max_step_staleness,
-                replicas=len(self.replica_devices),
+                replicas=replicas,
+                gate=gate,
             )
             self._aggregations[id(optimizer)] = aggregation
+            if aggregation.fresh:
+                self._timers[id(optimizer)] = WindowTimer(
+                    aggregation,
+                    self.late_window,
+                    self.patience_margin,
+                    present=self._present_replicas,
+                    may_fill=lambda: any(feed.queued() for feed in self.feeds()),
+                    on_error=self._timer_failed,
+                )
         return aggregation
+
+    def window_statistics(self):
+        """The first aggregation's `WindowStats`, or None."""
+        aggregations = self.aggregations()
+        if not aggregations:
+            return None
+        first = aggregations[0]
+        timer = self._timers.get(id(first.optimizer))
+        return first.gate.statistics(timer.patience if timer is not None else None)
+
+    def timers(self) -> list[WindowTimer]:
+        """The window timers of the aggregations whose windows are fresh."""
+        return list(self._timers.values())
+
+    def window_waits(self, replica_id: tf.Tensor) -> list[tf.Operation]:
+        """Where windows are fresh, what a replica waits for before it
+        takes a shard (in its loop's graph)."""
+        waits = [a.wait_before_take(replica_id) for a in self.aggregations()]
+        return [wait for wait in waits if wait is not None]
+
+    def window_targets(self, examples: tf.Tensor) -> list[tf.Operation]:
+        """A batch of `examples` is queued: where windows are fresh, a full
+        window holds at least as many (in Keras' graph)."""
+        return [
+            aggregation.gate.set_target(examples)
+            for aggregation in self.aggregations()
+            if aggregation.fresh
+        ]
+
+    def _present_replicas(self) -> list[int]:
+        absent = set(self.absent_replicas())
+        states = [feed.states() for feed in self.feeds()]
+        return [
+            r
+            for r in range(len(self.replica_devices))
+            if r not in absent and all(s[r] is not ReplicaState.LOST for s in states)
+        ]
+
+    def _timer_failed(self, error: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+        self.failed.assign(True)
+
+    def _stop_timers(self) -> None:
+        for timer in self.timers():
+            timer.stop()
 
     def aggregations(self) -> list[Aggregation]:
         return list(self._aggregations.values())
@@ -219,6 +295,8 @@ class Runtime:
         """Replicas start applying shards (a feed starts its loops)."""
         self._pushed = True
         self.guard.start()
+        for timer in self.timers():
+            timer.start()
 
     def watch_optimizer(self, optimizer) -> None:
         """The optimizer of a model whose training step is traced."""
@@ -293,6 +371,8 @@ class Runtime:
                 feed.stop()
                 feed.mark_drained()
                 drained = True
+        # No replica waits now: what a window holds is the drain's to apply.
+        self._stop_timers()
         if self._error is None and not self.record.store_lost():
             # What is read is what was trained: a window that is not full
             # is applied as it is.
@@ -363,6 +443,7 @@ class Runtime:
             for feed in self.feeds():
                 feed.stop()
                 feed.mark_drained()
+            self._stop_timers()
         finally:
             if self._error is None:
                 self.failed.assign(False)

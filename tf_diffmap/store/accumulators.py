@@ -41,12 +41,41 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.partitioned import PartitionedVariable
 from tf_diffmap.store.rows import unique_rows, write_rows
 
-__all__ = ["Accumulators", "Window", "locked"]
+__all__ = ["Accumulators", "FreshPush", "Window", "locked"]
 
 _names = itertools.count()
+
+
+@dataclasses.dataclass
+class FreshPush:
+    """What a push into fresh windows read (see `tf_diffmap.store.gate`).
+
+    Attributes:
+        replica_id: int32 scalar.
+        read_steps: int64 scalar: the windows whose step its read saw
+            applied (`Gate.read_closed`).
+        read_time: float64 scalar: when it read (`tf.timestamp()`).
+    """
+
+    replica_id: tf.Tensor
+    read_steps: tf.Tensor
+    read_time: tf.Tensor
+
+
+def _maybe(condition: tf.Tensor, effects, device: str) -> tf.Tensor:
+    """Runs the ops `effects()` makes only where `condition` holds (in a
+    graph); returns a flag that follows them."""
+
+    def run():
+        with tf.control_dependencies(effects()):
+            return tf.constant(True)
+
+    with tf.device(device):
+        return tf.cond(condition, run, lambda: tf.constant(False))
 
 
 @dataclasses.dataclass
@@ -62,12 +91,21 @@ class Window:
         sums: per variable, the sum of the accepted gradients (a tensor,
             `tf.IndexedSlices` of distinct ids, or None for a variable
             without gradient).
+        accepted: where windows are fresh, whether the push was accepted
+            (decided under the mutex); else None.
+        number: where windows are fresh, the window the push went to, or
+            that was taken; else None.
+        tokens: from the window timer's call, the blocked replicas it let
+            go to fill the window; else None.
     """
 
     taken: tf.Tensor
     weight: tf.Tensor
     pushes: tf.Tensor
     sums: list
+    accepted: tf.Tensor | None = None
+    number: tf.Tensor | None = None
+    tokens: tf.Tensor | None = None
 
     def gradients(self, replicas: int) -> list:
         """The gradient of the window's step, per variable: the sum of its
@@ -244,18 +282,24 @@ class Accumulators:
         store: the parameter store (placement, and the store's host).
         variables: the optimizer's trainable variables, in the order the
             gradients come.
-        gradients_per_step: K, the pushes of a window.
+        gradients_per_step: K, the pushes of a window (where windows are
+            fresh, the pushes of a full window when the examples of a
+            global batch are not known).
+        gate: the windows' gate (`tf_diffmap.store.gate`): its mutex
+            guards every push and take (and, where windows are fresh, the
+            replicas' waits); it counts the windows taken.
     """
 
-    def __init__(self, store, variables: Sequence, gradients_per_step: int):
+    def __init__(self, store, variables: Sequence, gradients_per_step: int, gate: Gate):
         self.store = store
+        self.gate = gate
         # The TensorFlow variables (a Keras variable holds one).
         self.variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
         self.gradients_per_step = gradients_per_step
         self.host = store.host
         self._kinds: dict[int, _Dense | _Sparse] = {}
         with tf.init_scope(), tf.device(self.host):
-            self.mutex = tf.raw_ops.MutexV2(shared_name=f"tf_diffmap_accumulators_{next(_names)}")
+            self.mutex = gate.mutex
             # Pushes since the last take, and their accepted examples.
             self.pending = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="accumulated_pushes"
@@ -267,19 +311,36 @@ class Accumulators:
         if kind is None:
             variable = self.variables[index]
             if isinstance(gradient, tf.IndexedSlices):
-                kind = _Sparse(self.store, variable, capacity=2 * self.gradients_per_step + 2)
+                # Unbounded: a push enqueues under the mutex, where a full queue
+                # would wait for a take that needs the mutex; a window holds
+                # its pushes' items only until its take.
+                kind = _Sparse(self.store, variable, capacity=-1)
             else:
                 kind = _Dense(self.store, variable)
             self._kinds[index] = kind
         return kind
 
-    def push(self, gradients: Sequence, accepted: tf.Tensor) -> Window:
-        """Adds one shard's gradients, if `accepted` (in a graph).
+    def push(
+        self,
+        gradients: Sequence,
+        accepted: tf.Tensor,
+        examples: tf.Tensor | None = None,
+        fresh: FreshPush | None = None,
+    ) -> Window:
+        """Adds one shard's gradients, weighted by its examples, if
+        `accepted` (in a graph).
 
         Args:
             gradients: one per variable (None: no gradient).
-            accepted: bool scalar; a gradient not accepted adds nothing,
-                and still counts in its window.
+            accepted: bool scalar. Where windows are not fresh, a gradient
+                not accepted adds nothing, and still counts in its window.
+            examples: the shard's examples, its gradient's weight in the
+                window's mean (None: 1).
+            fresh: where windows are fresh, what the push read; the push is
+                then accepted only if `accepted` and its read saw as many
+                optimizer steps as windows were taken (decided under the
+                mutex), a push not accepted takes no slot, and a window is
+                full once its accepted examples make a global batch.
 
         Returns:
             The window this push completed (`taken`), or empty placeholders.
@@ -292,7 +353,12 @@ class Accumulators:
                 "aggregation. Use one optimizer per set of variables."
             )
         with tf.device(self.host):
-            weight = tf.where(accepted, tf.constant(1.0), tf.constant(0.0))
+            size = tf.constant(1.0) if examples is None else tf.cast(examples, tf.float32)
+            if fresh is None:
+                weight = tf.where(accepted, size, tf.constant(0.0))
+            else:
+                # Decided under the mutex: the adds are conditional there.
+                weight = size
         prepared = {}
         for index, gradient in enumerate(gradients):
             if gradient is not None:
@@ -301,16 +367,53 @@ class Accumulators:
         # takes the lock.
         ready = [t for t in tf.nest.flatten(list(prepared.values())) if t is not None]
 
+        def add_all():
+            return [self._kinds[i].add(p) for i, p in prepared.items()]
+
         def section():
-            added = [self._kinds[i].add(p) for i, p in prepared.items()]
-            with tf.control_dependencies(added), tf.device(self.host):
-                # Read here: an assignment's value is otherwise read where
-                # it is used, which may be after the take has emptied it.
-                pending = tf.identity(self.pending.assign_add(1))
-                total = tf.identity(self.weight.assign_add(weight))
-                full = pending >= self.gradients_per_step
+            if fresh is None:
+                added = add_all()
+                with tf.control_dependencies(added), tf.device(self.host):
+                    # Read here: an assignment's value is otherwise read where
+                    # it is used, which may be after the take has emptied it.
+                    pending = tf.identity(self.pending.assign_add(1))
+                    total = tf.identity(self.weight.assign_add(weight))
+                    full = pending >= self.gradients_per_step
+                window = self._take_if(full, pending, total)
+                return window, added
+            gate = self.gate
+            with tf.device(self.host):
+                number = gate.windows.read_value()
+                ok = tf.logical_and(accepted, tf.equal(fresh.read_steps, number))
+            with tf.control_dependencies([number]):
+                added = _maybe(ok, add_all, self.host)
+            with tf.control_dependencies([added]), tf.device(self.host):
+                pending = tf.identity(self.pending.assign_add(tf.cast(ok, tf.int64)))
+                total = tf.identity(self.weight.assign_add(tf.where(ok, weight, 0.0)))
+                skipped = gate.skipped_examples.assign_add(
+                    tf.cast(tf.where(ok, 0.0, weight), tf.float64), read_value=False
+                )
+                target = gate.target.read_value()
+                full = tf.logical_and(
+                    ok,
+                    tf.where(
+                        target > 0,
+                        total >= tf.cast(target, tf.float32),
+                        pending >= self.gradients_per_step,
+                    ),
+                )
+                stays = tf.logical_and(ok, tf.logical_not(full))
+            with tf.control_dependencies([full]):
+                opened = _maybe(
+                    tf.logical_and(stays, tf.equal(pending, 1)),
+                    lambda: [gate.open(number, fresh.read_time)],
+                    self.host,
+                )
+                owes = _maybe(stays, lambda: [gate.owe(fresh.replica_id, number)], self.host)
             window = self._take_if(full, pending, total)
-            return window, added
+            window.accepted = tf.identity(ok)
+            window.number = tf.where(window.taken, window.number, number)
+            return window, [added, opened, owes, skipped]
 
         with tf.control_dependencies(ready + [weight]):
             return self._locked_window(section)
@@ -326,17 +429,65 @@ class Accumulators:
 
         return self._locked_window(section)
 
+    def close_if_open(self, number: tf.Tensor, fill: tf.Tensor) -> Window:
+        """The timer's call on a window open past its patience (in a graph).
+
+        If window `number` is still open: with `fill` and replicas blocked,
+        releases as many of them as the window lacks shards (at the mean
+        examples of its pushes), to compute fresh gradients of the same
+        parameters in place of the missing ones (`tokens`, nothing taken);
+        otherwise closes it short (takes it as it is).
+        """
+
+        gate = self.gate
+
+        def section():
+            with tf.device(self.host):
+                pending = self.pending.read_value()
+                total = self.weight.read_value()
+                target = tf.cast(gate.target.read_value(), tf.float32)
+                now = gate.windows.read_value()
+                is_open = tf.logical_and(tf.equal(now, number), pending > 0)
+                blocked = gate.blocked.read_value()
+                fills = tf.logical_and(is_open, tf.logical_and(fill, blocked > 0))
+                per_push = total / tf.cast(tf.maximum(pending, 1), tf.float32)
+                lacking = tf.where(
+                    target > 0,
+                    tf.cast(tf.math.ceil((target - total) / per_push), tf.int64),
+                    self.gradients_per_step - pending,
+                )
+                closes = tf.logical_and(is_open, tf.logical_not(fills))
+            with tf.control_dependencies([pending, total, blocked]):
+                released = tf.cond(
+                    fills,
+                    lambda: gate.unblock(tf.maximum(lacking, 1)),
+                    lambda: tf.constant(0, tf.int64),
+                )
+            with tf.control_dependencies([released]):
+                window = self._take_if(closes, pending, total)
+            with tf.device(self.host):
+                counted = [
+                    gate.closed_short.assign_add(tf.cast(closes, tf.int64), read_value=False),
+                    gate.fills.assign_add(tf.cast(fills, tf.int64), read_value=False),
+                ]
+            window.tokens = released
+            window.number = tf.where(window.taken, window.number, number)
+            return window, counted
+
+        return self._locked_window(section)
+
     def _locked_window(self, section) -> Window:
         def flat_section():
             window, effects = section()
-            return (window.taken, window.weight, window.pushes, window.sums), effects
+            extra = [window.accepted, window.number, window.tokens]
+            return (window.taken, window.weight, window.pushes, window.sums, extra), effects
 
-        taken, weight, pushes, sums = locked(self.mutex, self.host, flat_section)
-        return Window(taken, weight, pushes, self._as_sums(sums))
+        taken, weight, pushes, sums, extra = locked(self.mutex, self.host, flat_section)
+        return Window(taken, weight, pushes, self._as_sums(sums), *extra)
 
     def _take_if(self, full: tf.Tensor, pending: tf.Tensor, total: tf.Tensor) -> Window:
         """Inside the lock: takes the window when `full`, emptying the
-        accumulators and the counts."""
+        accumulators and the counts, and counting the window taken."""
         indices = sorted(self._kinds)
 
         def take():
@@ -346,12 +497,17 @@ class Accumulators:
                     self.pending.assign(tf.constant(0, tf.int64), read_value=False),
                     self.weight.assign(0.0, read_value=False),
                 ]
+                number = self.gate.take()
+                reset.append(
+                    self.gate.step_examples.assign_add(tf.cast(total, tf.float64), read_value=False)
+                )
             with tf.control_dependencies(reset):
                 return (
                     tf.constant(True),
                     tf.identity(total),
                     tf.identity(pending),
                     tf.nest.map_structure(tf.identity, values),
+                    tf.identity(number),
                 )
 
         def keep():
@@ -360,14 +516,15 @@ class Accumulators:
                 tf.constant(0.0),
                 tf.constant(0, tf.int64),
                 [self._kinds[i].nothing() for i in indices],
+                tf.constant(0, tf.int64),
             )
 
         with tf.device(self.host):
-            taken, weight, pushes, values = tf.cond(full, take, keep)
+            taken, weight, pushes, values, number = tf.cond(full, take, keep)
         sums: list = [None] * len(self.variables)
         for i, value in zip(indices, values):
             sums[i] = value
-        return Window(taken, weight, pushes, sums)
+        return Window(taken, weight, pushes, sums, None, number)
 
     def _as_sums(self, sums) -> list:
         return [

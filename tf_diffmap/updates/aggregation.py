@@ -41,7 +41,8 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
-from tf_diffmap.store.accumulators import Accumulators, Window
+from tf_diffmap.store.accumulators import Accumulators, FreshPush, Window, locked
+from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.updates.optimizer import optimizer_chain
 from tf_diffmap.updates.step import StepState, current_step, tracing_step
@@ -97,7 +98,7 @@ def optimizers_of(fn) -> list:
 
 
 class Aggregation:
-    """One optimizer's steps, each from a window of K pushed shard gradients.
+    """One optimizer's steps, each from a window of pushed shard gradients.
 
     Args:
         optimizer: the innermost optimizer (no wrapper): its `apply` is
@@ -106,9 +107,13 @@ class Aggregation:
             optimizer-step count).
         gradients_per_step: K.
         max_step_staleness: the most optimizer steps a gradient's
-            parameters may be behind and be accepted; None accepts all.
+            parameters may be behind and be accepted; None accepts all; 0
+            makes the windows fresh (with `gate`).
         replicas: N, the replicas a replica's gradient is made to be summed
             over (`tf.distribute.ReplicaContext.num_replicas_in_sync`).
+        gate: the waits and counts of the windows (`tf_diffmap.store.gate`),
+            made outside the strategy's scope; with `max_step_staleness=0`
+            replicas wait at it, else it only counts.
     """
 
     def __init__(
@@ -118,21 +123,37 @@ class Aggregation:
         gradients_per_step: int,
         max_step_staleness: int | None,
         replicas: int,
+        gate: Gate,
     ):
         self.optimizer = optimizer
         self.replicas = replicas
         self.store = store
         self.gradients_per_step = gradients_per_step
         self.max_step_staleness = max_step_staleness
+        self.fresh = max_step_staleness == 0
+        self.gate = gate
         self.accumulators: Accumulators | None = None
         self.variables: list | None = None
         self._flush_concrete = None
+        self._close_concrete = None
 
     def _original_apply(self, grads, variables):
         """The optimizer's own `apply`, whatever replaces it on the instance."""
         return type(self.optimizer).apply(self.optimizer, grads, variables)
 
     # -- in a replica step ---------------------------------------------------
+
+    def wait_before_take(self, replica_id: tf.Tensor) -> tf.Operation | None:
+        """Where windows are fresh: waits, before a replica takes its next
+        shard, until the window it last pushed into is closed and its step
+        applied (in a graph); None where replicas do not wait. Waiting
+        before the take, it holds no shard that another replica could
+        push into the open window."""
+        if not self.fresh:
+            return None
+        gate = self.gate
+        must = locked(gate.mutex, gate.host, lambda: (gate.register(replica_id), []))
+        return gate.block(replica_id, must)
 
     def apply(self, grads, trainable_variables=None):
         """Pushes a replica step's gradients; the push that completes a
@@ -154,21 +175,36 @@ class Aggregation:
         grads = list(grads)
         claim = state.claim(after=grads, record=False)
         accepted = tf.constant(True) if claim.keep is None else claim.keep
-        if self.max_step_staleness is not None:
-            accepted = tf.logical_and(
-                accepted,
-                claim.step_staleness <= tf.constant(self.max_step_staleness, tf.int64),
-            )
-        state.record(claim, accepted, None)
-        with tf.control_dependencies([claim.staleness]):
-            window = self.accumulators.push(grads, accepted)
+        if self.fresh:
+            read_closed = state.window_reads[id(self.gate)]
+            read = FreshPush(state.replica_id, read_closed, state.read_time)
+            with tf.control_dependencies([claim.staleness]):
+                window = self.accumulators.push(grads, accepted, state.examples, read)
+            with tf.device(self.store.host):
+                # In steps, a push is as stale as the windows taken since its
+                # read: 0 where accepted.
+                claim.step_staleness = tf.maximum(window.number - read_closed, 0)
+            state.record(claim, window.accepted, None)
+            with tf.control_dependencies([window.accepted]):
+                self.gate.timed(state.replica_id, state.read_time)
+        else:
+            if self.max_step_staleness is not None:
+                accepted = tf.logical_and(
+                    accepted,
+                    claim.step_staleness <= tf.constant(self.max_step_staleness, tf.int64),
+                )
+            state.record(claim, accepted, None)
+            with tf.control_dependencies([claim.staleness]):
+                window = self.accumulators.push(grads, accepted, state.examples)
         state.pushed = True
         self._step_if_taken(window)
 
     def _adopt(self, variables: Sequence) -> None:
         if self.variables is None:
             self.variables = list(variables)
-            self.accumulators = Accumulators(self.store, self.variables, self.gradients_per_step)
+            self.accumulators = Accumulators(
+                self.store, self.variables, self.gradients_per_step, self.gate
+            )
             self.store.aggregates = True
             return
         if [id(v) for v in variables] != [id(v) for v in self.variables]:
@@ -182,8 +218,8 @@ class Aggregation:
 
     def _step_if_taken(self, window: Window) -> tf.Tensor:
         """One step of the optimizer on the window's mean, if a window with
-        an accepted gradient was taken, and the store's count of it (in a
-        graph).
+        an accepted gradient was taken, and the store's count of it; then
+        the replicas blocked on the window are let go (in a graph).
 
         The conditional and the count run on the store's host, with the
         step's updates: once the window is taken nothing waits for the
@@ -195,6 +231,7 @@ class Aggregation:
             self._original_apply(window.gradients(self.replicas), self.variables)
             return tf.constant(True)
 
+        gate = self.gate
         with tf.device(self.store.host):
             # The conditional's output comes once every update of its
             # branch has run; the count waits for it.
@@ -203,19 +240,28 @@ class Aggregation:
                 step,
                 lambda: tf.constant(False),
             )
-            return self.store.optimizer_steps.assign_add(
+            counted = self.store.optimizer_steps.assign_add(
                 tf.cast(stepped, tf.int64), read_value=False
             )
+            # Once applied, the window is closed, and the replicas that
+            # wait for it are let go.
+            with tf.control_dependencies([counted]):
+                return tf.cond(
+                    window.taken,
+                    lambda: _after(locked(gate.mutex, gate.host, lambda: (gate.settle(), []))),
+                    lambda: tf.constant(False),
+                )
 
-    # -- at a drain ------------------------------------------------------------
+    # -- at a drain, and from the window timer ---------------------------------
 
     def trace_flush(self, strategy, device: str) -> None:
-        """Traces the function that applies a partial window (call once the
+        """Traces the functions that apply a partial window at a drain, and
+        that close or fill a window open past its patience (call once the
         accumulators exist, in a clean thread, inside the strategy's scope)."""
         if self.accumulators is None or self._flush_concrete is not None:
             return
 
-        def flush():
+        def outside_replicas(take):
             with (
                 tf.device(device),
                 tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
@@ -223,12 +269,23 @@ class Aggregation:
                 state = StepState(self.store, tf.constant(0, tf.int32))
                 with tracing_step(state, reads_as_rows=False):
                     state.claim_outside_replicas()
-                    window = self.accumulators.flush()
+                    window = take()
                     counted = self._step_if_taken(window)
+            released = window.tokens if window.tokens is not None else tf.constant(0, tf.int64)
             with tf.control_dependencies([counted]):
-                return tf.identity(window.pushes)
+                return tf.identity(window.pushes), tf.identity(released)
+
+        def flush():
+            return outside_replicas(self.accumulators.flush)[0]
+
+        def close(number, fill):
+            return outside_replicas(lambda: self.accumulators.close_if_open(number, fill))
 
         self._flush_concrete = tf.function(flush, autograph=False).get_concrete_function()
+        if self.fresh:
+            self._close_concrete = tf.function(close, autograph=False).get_concrete_function(
+                tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.bool)
+            )
 
     def pending(self) -> int:
         """Pushes in the window not yet applied (a read from Python)."""
@@ -245,6 +302,26 @@ class Aggregation:
         if self._flush_concrete is None or not self.pending():
             return 0
         return int(self._flush_concrete())
+
+    def close_late(self, number: int, fill: bool) -> tuple[int, int]:
+        """The window timer's call: window `number`, open past its patience,
+        is closed short or (with `fill`, if replicas wait) filled.
+
+        Returns:
+            The pushes of the window closed (0: none was), and the replicas
+            let go.
+        """
+        if self._close_concrete is None:
+            return 0, 0
+        pushes, tokens = self._close_concrete(
+            tf.constant(number, tf.int64), tf.constant(bool(fill))
+        )
+        return int(pushes), int(tokens)
+
+
+def _after(op) -> tf.Tensor:
+    with tf.control_dependencies([op]):
+        return tf.constant(True)
 
 
 @contextlib.contextmanager

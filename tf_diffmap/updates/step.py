@@ -61,6 +61,10 @@ class StepState:
         read_version: the store version read before the forward pass.
         read_steps: the optimizer steps applied at that read, where the
             strategy aggregates gradients into steps (else None).
+        read_time: float64 scalar, when the step read, where the strategy
+            aggregates (else None).
+        window_reads: per fresh windows' gate (`tf_diffmap.store.gate`, by
+            id), the windows whose step was applied when the step read.
         aggregating: whether the strategy aggregates gradients into steps
             (`tf_diffmap.updates.aggregation` then applies the step's optimizer).
         claimed: whether any claim was made while tracing.
@@ -75,14 +79,21 @@ class StepState:
         replica_id: tf.Tensor,
         examples: tf.Tensor | None = None,
         aggregating: bool = False,
+        gates: Sequence = (),
     ):
         self.store = store
         self.replica_id = replica_id
         self.examples = examples
         self.aggregating = aggregating
         self.graph = tf.compat.v1.get_default_graph()
+        # Per fresh windows' gate (by id), the windows whose step this
+        # step's read saw applied: read first, before the parameters.
+        self.window_reads = {id(gate): gate.read_closed() for gate in gates}
         self.read_version = store.read_version()
         self.read_steps = store.read_optimizer_steps() if aggregating else None
+        # When the step read: a fresh window's patience is measured from it.
+        with tf.device(store.host):
+            self.read_time = tf.timestamp() if aggregating else None
         self.claimed = False
         self.pushed = False
         # How an `IndexedSlices` gradient is applied (`tf_diffmap.updates.sparse`);

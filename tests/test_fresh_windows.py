@@ -1,0 +1,127 @@
+"""Fresh windows: every step from gradients of the current parameters, replicas in step.
+
+Under `Strategy(max_step_staleness=0)` window v takes only gradients whose
+read saw v optimizer steps, a replica that pushed into an open window waits
+for it to close before it reads again, and the window timer closes (or
+fills) a window that waits past its patience on a slow replica.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_diffmap
+from tests.conftest import classification_data, compile_logits, mlp
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+}
+
+
+def _fit(strategy, optimizer_fn, x, y, weights, batch_size, epochs=1):
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        model = mlp()
+        model.set_weights(weights)
+        compile_logits(model, optimizer_fn())
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_one_fresh_window_of_two_replicas_is_one_plain_keras_step(optimizer):
+    """With 2 replicas and no straggler, one window is one step of plain
+    Keras on the two shards together (an odd batch: shards of 5 and 4
+    examples, weighted by their examples)."""
+    x, y = classification_data(9, seed=11)
+    weights = mlp().get_weights()
+    plain = _fit(None, OPTIMIZERS[optimizer], x, y, weights, batch_size=9)
+    strategy = tf_diffmap.Strategy(devices=["CPU:0", "CPU:1"], max_step_staleness=0)
+    ours = _fit(strategy, OPTIMIZERS[optimizer], x, y, weights, batch_size=9)
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    windows = strategy.window_statistics()
+    assert windows.windows == 1 == int(ours.optimizer.iterations.numpy())
+    assert windows.examples == 9 and windows.closed_short == 0
+    assert int(strategy.statistics().dropped.sum()) == 0
+
+
+def test_replicas_in_step_train_as_plain_keras_over_many_steps():
+    """With a patience no healthy replica reaches, every window holds one
+    shard of every replica: 24 steps equal plain Keras' 24 steps on the
+    same batches, momentum included, and nothing is dropped."""
+    x, y = classification_data(256, seed=12)
+    weights = mlp().get_weights()
+    optimizer = OPTIMIZERS["sgd_momentum"]
+    plain = _fit(None, optimizer, x, y, weights, batch_size=32, epochs=3)
+    strategy = tf_diffmap.Strategy(max_step_staleness=0, patience_margin=1e4)
+    ours = _fit(strategy, optimizer, x, y, weights, batch_size=32, epochs=3)
+    stats = strategy.statistics()
+    windows = strategy.window_statistics()
+    assert windows.windows == 24 == stats.steps == int(ours.optimizer.iterations.numpy())
+    assert windows.closed_short == 0 and windows.examples_per_step == 32
+    assert int(stats.dropped.sum()) == 0 and stats.overall_max_step_staleness == 0
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _straggler_fit(late_window, seconds=0.3, epochs=2):
+    x, y = classification_data(256, seed=13)
+    strategy = tf_diffmap.Strategy(max_step_staleness=0, late_window=late_window)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                tf_diffmap.testing.ReplicaDelay(seconds, replicas=[0]),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(2),
+            ]
+        )
+        compile_logits(model, keras.optimizers.SGD(0.05, momentum=0.9))
+    # A first epoch times every replica's shards (the patience of a fit's
+    # first window comes from its opener alone, whose first step runs its
+    # functions for the first time); the figures are the next epochs'.
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    strategy.reset_statistics()
+    before = (strategy.version, int(model.optimizer.iterations.numpy()))
+    model.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
+    return strategy, model, len(x) * epochs, before
+
+
+@pytest.mark.parametrize("late_window", ["close", "fill"])
+def test_a_straggler_is_never_waited_for_past_the_patience(late_window):
+    """Replica 0 sleeps 0.3 s a shard, the others take milliseconds: no
+    other replica ever waits for it (each wait is far under its shard), its
+    gradients arrive stale and are dropped, and every counter agrees."""
+    strategy, model, examples, (version, steps) = _straggler_fit(late_window)
+    stats = strategy.statistics()
+    windows = strategy.window_statistics()
+    # Waits end at the patience, a few of the fast replicas' shard times.
+    assert max(windows.longest_wait[1:]) < 0.15, windows
+    if late_window == "close":
+        assert windows.closed_short > 0
+    else:
+        assert windows.fills > 0
+    # A gradient of version v never enters a later window.
+    assert stats.overall_max_step_staleness == 0
+    assert int(stats.dropped[0]) > 0
+    assert int(stats.updates[0]) < int(stats.updates[1:].min())
+    # Every count agrees: pushes, versions, steps, and examples (each is
+    # trained on, or counted with a dropped gradient).
+    assert int(stats.updates.sum() + stats.dropped.sum()) == strategy.version - version
+    assert stats.steps == windows.windows == int(model.optimizer.iterations.numpy())
+    assert int(stats.examples.sum()) == examples == windows.examples + windows.skipped
+    assert windows.skipped > 0
+    assert int(stats.step_histogram[:, 0].sum()) >= int(stats.updates.sum())
+
+
+def test_fresh_windows_refuse_what_contradicts_them():
+    with pytest.raises(ValueError, match="late_window must be one of 'close', 'fill'"):
+        tf_diffmap.Strategy(max_step_staleness=0, late_window="wait")
+    with pytest.raises(ValueError, match="patience_margin must be a number >= 0"):
+        tf_diffmap.Strategy(max_step_staleness=0, patience_margin=-1)
+    with pytest.raises(ValueError, match="max_staleness=2 bounds"):
+        tf_diffmap.Strategy(max_step_staleness=0, max_staleness=2)

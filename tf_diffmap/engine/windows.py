@@ -1,0 +1,171 @@
+"""The window timer: a fresh window never waits on a slow replica past its patience.
+
+Where windows are fresh (`Strategy(max_step_staleness=0)`, see
+`tf_diffmap.store.gate`), replicas that pushed into an open window wait, in
+a TensorFlow queue's dequeue, until it closes. TensorFlow's queue ops have
+no timeout that works, so one thread on the host per aggregation keeps the
+time: the push that opens a window tells it (the gate's `opened` queue),
+and if the window is still open when its patience has run out, the timer
+either closes it short (a step on the gradients that came, weighted by
+their examples: backup replicas) or fills it (lets as many blocked replicas
+go as the window lacks shards, to compute fresh gradients of the same
+parameters in their place). A straggler's gradient then arrives stale: it
+is dropped and counted, and its examples are counted as skipped.
+
+The patience comes from the replicas' own pace: a window opens when its
+fastest replica pushes; it would close, were every replica as fast as the
+median one, at the median of the replicas' read-to-push times after the
+opener's read. The patience is that median times `1 + margin`, measured
+from the opener's read. No constant in seconds: the margin is a fraction of
+the replicas' own shard time, so the same margin holds for a model whose
+shard takes a millisecond and one whose shard takes a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from tf_diffmap.updates.aggregation import Aggregation
+
+__all__ = ["LATE_WINDOW_POLICIES", "PATIENCE_MARGIN", "WindowTimer"]
+
+logger = logging.getLogger("tf_diffmap")
+
+LATE_WINDOW_POLICIES = ("close", "fill")
+"""What the timer does with a window open past its patience: `"close"` it
+short, or `"fill"` it with gradients of replicas that wait."""
+
+PATIENCE_MARGIN = 1.0
+"""The default margin of a fresh window's patience, over the median
+replica's read-to-push time (see `WindowTimer`)."""
+
+
+class WindowTimer:
+    """Closes or fills an aggregation's windows once their patience runs out.
+
+    Args:
+        aggregation: an aggregation whose windows are fresh.
+        policy: `"close"` or `"fill"` (`LATE_WINDOW_POLICIES`).
+        margin: the patience is the median replica's read-to-push time
+            times `1 + margin`.
+        present: the replicas whose times count (those not absent or lost).
+        may_fill: whether shards are queued for released replicas to take
+            (a fill with nothing to compute would leave the window open).
+        on_error: called with an error the timer's call raised (the timer
+            then stops; the error ends training as a replica's would).
+    """
+
+    def __init__(
+        self,
+        aggregation: Aggregation,
+        policy: str,
+        margin: float,
+        present: Callable[[], list[int]],
+        may_fill: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+    ):
+        self.aggregation = aggregation
+        self.gate = aggregation.gate
+        self.policy = policy
+        self.margin = margin
+        self._present = present
+        self._may_fill = may_fill
+        self._on_error = on_error
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._opened: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        # The patience of the latest window the timer read, in seconds.
+        self.patience: float | None = None
+
+    def start(self) -> None:
+        """Starts the timer's threads, unless they run."""
+        with self._lock:
+            if self._threads and all(t.is_alive() for t in self._threads):
+                return
+            self._stop.clear()
+            self._opened = queue.SimpleQueue()
+            self._threads = [
+                threading.Thread(target=self._read, name="tf_diffmap-windows-read", daemon=True),
+                threading.Thread(target=self._run, name="tf_diffmap-windows", daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
+
+    def stop(self) -> None:
+        """Stops the threads (a window left open is the drain's to apply)."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        if not threads:
+            return
+        self._stop.set()
+        self.gate.opened.enqueue([np.int64(-1), 0.0, 0.0])
+        for thread in threads:
+            thread.join()
+        # What the reader left, the sentinel included if it had stopped.
+        while int(self.gate.opened.size()):
+            self.gate.opened.dequeue()
+
+    def patience_for(self, opener_seconds: float) -> float:
+        """The patience of a window whose opener took `opener_seconds`
+        from its read to its push: the median present replica's average
+        read-to-push time (the opener's own before any is known), times
+        `1 + margin`."""
+        seconds = self.gate.shard_seconds.numpy()
+        known = [seconds[r] for r in self._present() if seconds[r] > 0]
+        pace = float(np.median(known)) if known else opener_seconds
+        return pace * (1.0 + self.margin)
+
+    def _read(self) -> None:
+        """Hands each window opened on to the timer (blocks in the gate's
+        queue, which no Python timeout can interrupt; the timer's own wait
+        has one)."""
+        try:
+            while True:
+                number, read_time, push_time = self.gate.opened.dequeue()
+                self._opened.put((int(number), float(read_time), float(push_time)))
+                if int(number) < 0:
+                    return
+        except BaseException as error:  # noqa: BLE001 - handed to the runtime
+            self._opened.put((-1, 0.0, 0.0))
+            self._failed(error)
+
+    def _run(self) -> None:
+        """Keeps the latest window's deadline: windows open one at a time
+        (the next only once this one is taken), so a window opened means
+        every earlier one closed."""
+        number = None
+        deadline = patience = 0.0
+        try:
+            while True:
+                timeout = None if number is None else max(deadline - time.time(), 0.0)
+                try:
+                    opened = self._opened.get(timeout=timeout)
+                except queue.Empty:
+                    fill = self.policy == "fill" and self._may_fill()
+                    pushes, released = self.aggregation.close_late(number, fill)
+                    if released and not pushes:
+                        # Filled: the released replicas take a shard time more.
+                        deadline = time.time() + patience
+                    else:
+                        number = None  # Closed short, or closed meanwhile.
+                    continue
+                if opened[0] < 0:
+                    return
+                number, read_time, push_time = opened
+                patience = self.patience_for(max(push_time - read_time, 0.0))
+                self.patience = patience
+                deadline = read_time + patience
+        except BaseException as error:  # noqa: BLE001 - handed to the runtime
+            self._failed(error)
+
+    def _failed(self, error: BaseException) -> None:
+        if not self._stop.is_set():
+            logger.debug("The window timer stopped on an error", exc_info=True)
+            self._on_error(error)
