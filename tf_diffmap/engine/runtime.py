@@ -377,8 +377,7 @@ class Runtime:
             # What is read is what was trained: a window that is not full
             # is applied as it is.
             self.flush_aggregations()
-            if drained:
-                self.guard.check()
+            self.guard.check(read=drained)
         self.raise_error()
         if drained:
             # Nothing in flight: a claim that never completed was abandoned
