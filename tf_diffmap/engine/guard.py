@@ -49,6 +49,12 @@ RISE_OF_START = 0.25
 # Losses seen before a rise is judged: the highest of them is the level at
 # the start, and the first readings of a run are the untrained model's.
 MIN_READINGS = 3
+# Readings in a row that must show the rise: the loss read is a running
+# mean, Keras' total over its count, two variables that the replicas update
+# one after the other, and a read between the two updates of another step
+# can be several times the mean (1.88 between readings of 0.74, with a
+# replica 100 times slower than the others). A collapse persists.
+CONFIRMING_READINGS = 2
 
 
 class Collapse:
@@ -71,6 +77,8 @@ class Collapse:
         self.lowest = math.inf
         self.start = 0.0
         self.readings = 0
+        # Readings in a row above the threshold.
+        self.risen = 0
 
     def observe(self, loss: float) -> str | None:
         """Takes one reading; returns what collapsed, or None.
@@ -87,6 +95,7 @@ class Collapse:
             >>> [collapse.observe(x) for x in (2.3, 0.9, 0.5, 0.02)]
             [None, None, None, None]
             >>> collapse.observe(0.09)  # 4.5 times its lowest: noise near 0
+            >>> collapse.observe(1.9)  # one reading: not yet
             >>> collapse.observe(1.9)
             'the loss rose to 1.9 from its lowest, 0.02, by 82% of its level at the start, 2.3'
             >>> collapse.observe(float("nan"))
@@ -100,11 +109,15 @@ class Collapse:
         if self.readings <= self.min_readings:
             self.start = max(self.start, loss)
         elif self.start > 0 and loss - self.lowest > self.rise_of_start * self.start:
+            self.risen += 1
+            if self.risen < CONFIRMING_READINGS:
+                return None
             return (
                 f"the loss rose to {loss:.3g} from its lowest, {self.lowest:.3g}, by "
                 f"{(loss - self.lowest) / self.start:.0%} of its level at the start, "
                 f"{self.start:.3g}"
             )
+        self.risen = 0
         self.lowest = min(self.lowest, loss)
         return None
 
