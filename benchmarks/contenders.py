@@ -50,6 +50,13 @@ CONTENDERS = {
         # Every shard's gradient a step of its own (`gradients_per_step=1`), as
         # before aggregation, and where `AsyncOptimizer`'s per-update rules apply.
         Contender("tf_diffmap_per_shard", "tf_diffmap, a step per shard", asynchronous=True),
+        # Fresh windows (`max_step_staleness=0`): every step from gradients
+        # of the current parameters, replicas in step, a window closed short
+        # ("close", backup replicas) or filled ("fill") past its patience.
+        Contender("tf_diffmap_fresh", "tf_diffmap, fresh windows", asynchronous=True),
+        Contender(
+            "tf_diffmap_fresh_fill", "tf_diffmap, fresh windows filled", asynchronous=True
+        ),
         Contender(
             "tf_diffmap_own_devices",
             "tf_diffmap, each replica's ops on its own device",
@@ -255,7 +262,13 @@ class Runtime:
             )
         import tf_diffmap
 
-        if self.name in ("tf_diffmap", "tf_diffmap_per_shard", "tf_diffmap_own_devices"):
+        if self.name in (
+            "tf_diffmap",
+            "tf_diffmap_per_shard",
+            "tf_diffmap_own_devices",
+            "tf_diffmap_fresh",
+            "tf_diffmap_fresh_fill",
+        ):
             return tf_diffmap.Strategy(
                 devices=self.devices,
                 replicas_per_device=self.replicas_per_device,
@@ -274,6 +287,9 @@ class Runtime:
             options["colocate_cpu_replicas"] = False
         if self.name == "tf_diffmap_per_shard":
             options["gradients_per_step"] = 1
+        if self.name.startswith("tf_diffmap_fresh"):
+            options["max_step_staleness"] = 0
+            options["late_window"] = "fill" if self.name.endswith("_fill") else "close"
         return options
 
     def scope(self):

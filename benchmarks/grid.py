@@ -152,10 +152,19 @@ _SYNC_RATE_GRID = {
 REFERENCE_VARIANTS = ("sync", "none", "default")
 # Candidates for the default, run on the tuning half instead of "default":
 # aggregation with each bound on the staleness in optimizer steps
-# (`max_step_staleness`; unbounded: None; 0 keeps only gradients computed on
-# the newest parameters), and the previous default (every shard's gradient
-# a step, AsyncOptimizer's "auto" rule).
-TUNING_VARIANTS = ("agg_unbounded", "agg_bound_0", "agg_bound_1", "agg_bound_2", "per_shard_auto")
+# (`max_step_staleness`; unbounded: None), fresh windows (a bound of 0:
+# "fresh_<late_window>", with "_m<margin>" for another patience margin), and
+# the previous default (every shard's gradient a step, AsyncOptimizer's
+# "auto" rule). Runs named "agg_bound_0" in runs.jsonl are of the bound of 0
+# before fresh windows (rejected gradients kept their window's count).
+TUNING_VARIANTS = (
+    "agg_unbounded",
+    "agg_bound_1",
+    "agg_bound_2",
+    "per_shard_auto",
+    "fresh_close",
+    "fresh_fill",
+)
 
 
 def default_variant() -> str:
@@ -375,6 +384,13 @@ def _strategy(variant: str, condition: dict):
         kwargs["max_step_staleness"] = None
     elif variant.startswith("agg_bound_"):
         kwargs["max_step_staleness"] = int(variant.rsplit("_", 1)[1])
+    elif variant.startswith("fresh_"):
+        # Fresh windows: "fresh_<policy>" or "fresh_<policy>_m<margin>".
+        parts = variant.split("_")
+        kwargs["max_step_staleness"] = 0
+        kwargs["late_window"] = parts[1]
+        if len(parts) > 2:
+            kwargs["patience_margin"] = float(parts[2][1:])
     return tf_diffmap.Strategy(**kwargs)
 
 

@@ -14,6 +14,8 @@ COLORS = {
     "mirrored": "#1f77b4",
     "tf_diffmap": "#d62728",
     "tf_diffmap_per_shard": "#9467bd",
+    "tf_diffmap_fresh": "#e377c2",
+    "tf_diffmap_fresh_fill": "#8c564b",
     "tf_diffmap_bounded": "#ff7f0e",
     "central_storage": "#2ca02c",
 }

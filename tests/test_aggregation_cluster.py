@@ -21,7 +21,9 @@ CHIEF = textwrap.dedent(
     LR = 0.125
     report = {}
     with cluster.LocalCluster(workers=2, ps=1) as local:
-        strategy = cluster.strategy_for_cluster(local.resolver())
+        strategy = cluster.strategy_for_cluster(
+            local.resolver(), max_step_staleness=int(sys.argv[1])
+        )
         with strategy.scope():
             # With inputs of ones, the summed output's gradient is 1 per
             # weight: every step of the optimizer moves each weight by LR.
@@ -63,14 +65,17 @@ CHIEF = textwrap.dedent(
 )
 
 
-def test_a_worker_killed_mid_step_leaves_every_window_whole(tmp_path):
+@pytest.mark.parametrize("bound", [1, 0], ids=["bound_1", "fresh"])
+def test_a_worker_killed_mid_step_leaves_every_window_whole(tmp_path, bound):
     """No accepted gradient is lost and none counts twice: with a constant
     gradient each step moves each weight by exactly LR, so a window that
     held a part of a push cut off (or lost one of its pushes' gradients
     while counting it) would move it by another amount. Training goes on
-    past the loss, and the mutex a killed push may have held is released."""
+    past the loss, and the mutex a killed push may have held is released.
+    With fresh windows, the windows the lost worker's replica would have
+    pushed into close short once their patience runs out."""
     result = subprocess.run(
-        [sys.executable, "-c", CHIEF],
+        [sys.executable, "-c", CHIEF, str(bound)],
         env=dict(os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="3"),
         capture_output=True,
         text=True,

@@ -17,8 +17,12 @@ How a training step flows:
    Keras' graph, starts the replicas' threads, and queues the others. No op
    of Keras' graph ever waits for a replica.
 4. A replica step reads the store version, runs forward and backward, claims
-   a new version (its staleness is the difference), and applies its own
-   gradient to the store with update ops on the store's devices.
+   a new version (its staleness is the difference), and pushes its
+   gradient to the store (`tf_diffmap.updates.aggregation`): by default a
+   window of one gradient per replica is one step of the optimizer, and
+   with fresh windows the replica waits for its window to close before it
+   takes its next shard. With `gradients_per_step=1` it applies its own
+   gradient with update ops on the store's devices.
 5. Before anything reads the model as a whole, the loops are drained.
 
 A step that applies no update (evaluate, predict) runs synchronously, in
@@ -382,8 +386,17 @@ class Strategy(_tf_internal.StrategyBase):
     """Asynchronous data-parallel training for Keras 3 and `tf.distribute`.
 
     Each replica computes the gradient of its own shard of every batch and
-    applies it to the parameter store at once, without waiting for the other
-    replicas; a version counter measures how stale each update was.
+    pushes it to the parameter store, with no all-reduce. By default
+    (`gradients_per_step="auto"`) the store aggregates one shard gradient
+    per replica into one step of the optimizer, with the hyperparameters it
+    was tuned with for synchronous training. How the windows of gradients
+    are kept is `max_step_staleness`: asynchronous windows (1, the default:
+    no replica waits for another, and a gradient more than one step stale
+    is dropped) or fresh ones (0: every step from gradients of the current
+    parameters, replicas in step with each other, and a slow replica never
+    waited for past a patience). With `gradients_per_step=1` every shard's
+    gradient is a step of its own. A version counter measures how stale
+    each gradient was.
 
     Args:
         devices: replica devices; by default every GPU, else every logical
@@ -453,7 +466,26 @@ class Strategy(_tf_internal.StrategyBase):
             (it still counts in its window, with no weight) and counted in
             the statistics. None accepts every gradient. The default, 1
             (`MAX_STEP_STALENESS`), was chosen on the tuning half of the
-            held-out grid.
+            held-out grid. 0 makes the windows *fresh*: window v takes only
+            gradients whose read saw v optimizer steps applied (a gradient
+            that did not is dropped and takes no slot, its examples counted
+            as skipped), weighted by their examples, and is full once they
+            make a global batch; a replica that pushed into an open window
+            waits for it to close before it takes its next shard, so that
+            replicas that keep pace stay in step, one shard each per window,
+            as under `MirroredStrategy`. See `late_window`.
+        late_window: with fresh windows, what happens to a window still
+            open when its patience runs out (the median replica's time from
+            a read to its push, times `1 + patience_margin`, after the
+            window's first read): `"close"` (the default) takes a step on
+            the gradients that came, weighted by their examples (backup
+            replicas); `"fill"` lets as many waiting replicas go as the
+            window lacks shards, to compute fresh gradients of the same
+            parameters in place of the missing ones. Either way a
+            straggler's late gradient is dropped and counted.
+        patience_margin: with fresh windows, the patience's margin over the
+            median replica's read-to-push time, as a fraction of it
+            (`tf_diffmap.engine.windows.PATIENCE_MARGIN` by default).
         reserved_devices: on a cluster that may grow, the devices of worker
             tasks that are not in it yet (`tf_diffmap.cluster.
             strategy_for_cluster(max_workers=...)` names them). Their

@@ -106,6 +106,7 @@ class StepFeed:
                 )
         with tf.init_scope():
             self.channel.prepare()
+            runtime.prepare_windows()
         self._trace_loops()
         with tf.device(host):
             self.drop_concrete = tf.function(

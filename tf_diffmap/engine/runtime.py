@@ -220,7 +220,10 @@ class Runtime:
             replicas = len(self.replica_devices)
             # Made outside the strategy's scope: none of its variables is a
             # store variable, whose eager reads would drain.
-            gate = in_clean_thread(lambda: Gate(self.store.host, replicas), name="tf_diffmap-gate")
+            gate = in_clean_thread(
+                lambda: Gate(self.store.host, replicas, events_host=self.client_host),
+                name="tf_diffmap-gate",
+            )
             aggregation = Aggregation(
                 optimizer,
                 self.store,
@@ -249,6 +252,12 @@ class Runtime:
         first = aggregations[0]
         timer = self._timers.get(id(first.optimizer))
         return first.gate.statistics(timer.patience if timer is not None else None)
+
+    def prepare_windows(self) -> None:
+        """Runs the window timers' functions once while every task serves."""
+        for aggregation in self.aggregations():
+            if aggregation.fresh:
+                aggregation.prepare()
 
     def timers(self) -> list[WindowTimer]:
         """The window timers of the aggregations whose windows are fresh."""
@@ -427,6 +436,12 @@ class Runtime:
         """
         state, raised = self.record.verdict(replica_id, error)
         if state != "failed":
+            if state == ReplicaState.LOST.value:
+                # A window its step had taken and not settled would hold the
+                # others' waits for ever.
+                for aggregation in self.aggregations():
+                    if aggregation.fresh:
+                        aggregation.settle_lost(replica_id)
             return ReplicaState(state)
         with self._error_lock:
             if self._error is None:

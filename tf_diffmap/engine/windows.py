@@ -78,6 +78,7 @@ class WindowTimer:
         self._may_fill = may_fill
         self._on_error = on_error
         self._stop = threading.Event()
+        self._told_present: int | None = None
         self._threads: list[threading.Thread] = []
         self._opened: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -90,6 +91,8 @@ class WindowTimer:
             if self._threads and all(t.is_alive() for t in self._threads):
                 return
             self._stop.clear()
+            self._told_present = None
+            self._tell_present(self._present())
             self._opened = queue.SimpleQueue()
             self._threads = [
                 threading.Thread(target=self._read, name="tf_diffmap-windows-read", daemon=True),
@@ -117,10 +120,18 @@ class WindowTimer:
         from its read to its push: the median present replica's average
         read-to-push time (the opener's own before any is known), times
         `1 + margin`."""
+        present = self._present()
+        self._tell_present(present)
         seconds = self.gate.shard_seconds.numpy()
-        known = [seconds[r] for r in self._present() if seconds[r] > 0]
+        known = [seconds[r] for r in present if seconds[r] > 0]
         pace = float(np.median(known)) if known else opener_seconds
         return pace * (1.0 + self.margin)
+
+    def _tell_present(self, present: list[int]) -> None:
+        """Tells the gate how many replicas are present, when it changed."""
+        if len(present) != self._told_present:
+            self.gate.present.assign(len(present))
+            self._told_present = len(present)
 
     def _read(self) -> None:
         """Hands each window opened on to the timer (blocks in the gate's
@@ -158,6 +169,8 @@ class WindowTimer:
                     continue
                 if opened[0] < 0:
                     return
+                if number is not None and opened[0] <= number:
+                    continue  # Told late: a newer window is timed already.
                 number, read_time, push_time = opened
                 patience = self.patience_for(max(push_time - read_time, 0.0))
                 self.patience = patience

@@ -97,6 +97,8 @@ class Window:
             that was taken; else None.
         tokens: from the window timer's call, the blocked replicas it let
             go to fill the window; else None.
+        opening: where windows are fresh, whether the push opened its
+            window (the timer is told); else None.
     """
 
     taken: tf.Tensor
@@ -106,6 +108,7 @@ class Window:
     accepted: tf.Tensor | None = None
     number: tf.Tensor | None = None
     tokens: tf.Tensor | None = None
+    opening: tf.Tensor | None = None
 
     def gradients(self, replicas: int) -> list:
         """The gradient of the window's step, per variable: the sum of its
@@ -403,20 +406,27 @@ class Accumulators:
                     ),
                 )
                 stays = tf.logical_and(ok, tf.logical_not(full))
+                waits = tf.logical_and(stays, pending < gate.present.read_value())
             with tf.control_dependencies([full]):
-                opened = _maybe(
-                    tf.logical_and(stays, tf.equal(pending, 1)),
-                    lambda: [gate.open(number, fresh.read_time)],
-                    self.host,
-                )
-                owes = _maybe(stays, lambda: [gate.owe(fresh.replica_id, number)], self.host)
-            window = self._take_if(full, pending, total)
+                owes = _maybe(waits, lambda: [gate.owe(fresh.replica_id, number)], self.host)
+            window = self._take_if(full, pending, total, taker=fresh.replica_id)
             window.accepted = tf.identity(ok)
             window.number = tf.where(window.taken, window.number, number)
-            return window, [added, opened, owes, skipped]
+            window.opening = tf.logical_and(stays, tf.equal(pending, 1))
+            return window, [added, owes, skipped]
 
         with tf.control_dependencies(ready + [weight]):
-            return self._locked_window(section)
+            window = self._locked_window(section)
+        if fresh is not None:
+            # The timer hears of a window opened once the mutex is free.
+            opened = _maybe(
+                window.opening,
+                lambda: [self.gate.open(window.number, fresh.read_time)],
+                self.gate.events_host,
+            )
+            with tf.control_dependencies([opened]):
+                window.accepted = tf.identity(window.accepted)
+        return window
 
     def flush(self) -> Window:
         """Takes what the accumulators hold, if any push is pending (in a graph)."""
@@ -479,13 +489,15 @@ class Accumulators:
     def _locked_window(self, section) -> Window:
         def flat_section():
             window, effects = section()
-            extra = [window.accepted, window.number, window.tokens]
+            extra = [window.accepted, window.number, window.tokens, window.opening]
             return (window.taken, window.weight, window.pushes, window.sums, extra), effects
 
         taken, weight, pushes, sums, extra = locked(self.mutex, self.host, flat_section)
         return Window(taken, weight, pushes, self._as_sums(sums), *extra)
 
-    def _take_if(self, full: tf.Tensor, pending: tf.Tensor, total: tf.Tensor) -> Window:
+    def _take_if(
+        self, full: tf.Tensor, pending: tf.Tensor, total: tf.Tensor, taker: tf.Tensor | int = -1
+    ) -> Window:
         """Inside the lock: takes the window when `full`, emptying the
         accumulators and the counts, and counting the window taken."""
         indices = sorted(self._kinds)
@@ -497,7 +509,7 @@ class Accumulators:
                     self.pending.assign(tf.constant(0, tf.int64), read_value=False),
                     self.weight.assign(0.0, read_value=False),
                 ]
-                number = self.gate.take()
+                number = self.gate.take(taker)
                 reset.append(
                     self.gate.step_examples.assign_add(tf.cast(total, tf.float64), read_value=False)
                 )

@@ -18,7 +18,8 @@ store's host, under the accumulators' mutex:
   applied. A replica reads `closed` before it reads the parameters; its
   push is accepted only if it equals `windows` then (no window was taken
   since, and none was half applied when it read).
-- `owed`: per replica, 1 + the window it owes a wait for (0: none).
+- `owed`: per replica, 1 + the window it owes a wait for (0: none). A
+  push owes a wait unless the window holds a push per present replica.
 - `blocked`: replicas blocked now on `release`, a queue of tokens. Once a
   taken window's step is applied, the replica that applied it counts it
   closed and puts one token per blocked replica, under the mutex. A
@@ -65,12 +66,16 @@ class Gate:
     """The waits and counts of fresh windows (see the module's docstring).
 
     Args:
-        host: the store's host, where every variable and queue lives.
+        host: the store's host, where every variable and queue lives but
+            the timer's.
         replicas: replica slots.
+        events_host: where the window timer's queue of windows opened
+            lives: the client's host (by default `host`).
     """
 
-    def __init__(self, host: str, replicas: int):
+    def __init__(self, host: str, replicas: int, events_host: str | None = None):
         self.host = host
+        self.events_host = events_host or host
         self.replicas = replicas
         name = f"tf_diffmap_gate_{next(_names)}"
         with tf.init_scope(), tf.device(host):
@@ -81,12 +86,18 @@ class Gate:
             seconds = tf.zeros([replicas], tf.float64)
             self.windows = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_w")
             self.closed = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_c")
+            # The replica that took the window taken last (-1: none of them).
+            self.taker = tf.Variable(tf.constant(-1, tf.int64), trainable=False, name=f"{name}_tk")
             self.owed = tf.Variable(zeros, trainable=False, name=f"{name}_owed")
             self.blocked = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_b")
-            self.release = tf.queue.FIFOQueue(-1, [tf.int64], shapes=[[]], name=f"{name}_release")
-            self.opened = tf.queue.FIFOQueue(
-                -1, [tf.int64, tf.float64, tf.float64], shapes=[[], [], []], name=f"{name}_opened"
+            # Replicas present (not absent, lost or hung), as the window
+            # timer last saw them: once that many pushes are in a window, a
+            # push owes no wait (a lost replica's shards are the others' to
+            # push, and nobody else would come to fill the window).
+            self.present = tf.Variable(
+                tf.constant(replicas, tf.int64), trainable=False, name=f"{name}_p"
             )
+            self.release = tf.queue.FIFOQueue(-1, [tf.int64], shapes=[[]], name=f"{name}_release")
             self.shard_seconds = tf.Variable(seconds, trainable=False, name=f"{name}_shard_s")
             self.timed_pushes = tf.Variable(zeros, trainable=False, name=f"{name}_timed")
             self.waited_seconds = tf.Variable(seconds, trainable=False, name=f"{name}_waited_s")
@@ -100,6 +111,13 @@ class Gate:
             # The examples of a full window: the largest batch queued so far
             # (0: unknown, and a window is full at one push per replica slot).
             self.target = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_t")
+        with tf.init_scope(), tf.device(self.events_host):
+            # Beside the window timer, which blocks in its dequeue: a
+            # blocking eager op on the store's host would hold the client's
+            # stream of requests to it (ordered, while a worker is lost).
+            self.opened = tf.queue.FIFOQueue(
+                -1, [tf.int64, tf.float64, tf.float64], shapes=[[], [], []], name=f"{name}_opened"
+            )
 
     # -- in a replica's graph, before its read ----------------------------------
 
@@ -146,17 +164,23 @@ class Gate:
             return self.owed.scatter_nd_update(row, tf.reshape(window + 1, [1])).op
 
     def open(self, window: tf.Tensor, read_time: tf.Tensor) -> tf.Operation:
-        """Tells the timer that `window` opened, read at `read_time`."""
-        with tf.device(self.host):
+        """Tells the timer that `window` opened, read at `read_time` (after
+        the push's mutex is released: nothing under it waits for another
+        task)."""
+        with tf.device(self.events_host):
             return self.opened.enqueue([window, tf.cast(read_time, tf.float64), tf.timestamp()])
 
-    def take(self) -> tf.Tensor:
-        """A window is taken: counts it; returns its number."""
+    def take(self, taker: tf.Tensor) -> tf.Tensor:
+        """A window is taken by replica `taker` (-1: the timer or a drain):
+        counts it; returns its number."""
         with tf.device(self.host):
             window = self.windows.read_value()
             with tf.control_dependencies([window]):
-                counted = self.windows.assign_add(1, read_value=False)
-            with tf.control_dependencies([counted]):
+                counted = [
+                    self.windows.assign_add(1, read_value=False),
+                    self.taker.assign(tf.cast(taker, tf.int64), read_value=False),
+                ]
+            with tf.control_dependencies(counted):
                 return tf.identity(window)
 
     def unblock(self, count: tf.Tensor) -> tf.Tensor:
@@ -181,21 +205,37 @@ class Gate:
         with tf.device(self.host):
             return self.closed.read_value()
 
-    def settle(self) -> tf.Tensor:
-        """Under the mutex, once a taken window's step is applied: counts it
+    def settle(self, number: tf.Tensor) -> tf.Tensor:
+        """Under the mutex, once window `number`'s step is applied: counts it
         closed, and lets every replica blocked on it go (each replica that
-        registered before this, so none waits for a window closed)."""
+        registered before this, so none waits for a window closed). Settling
+        a window twice changes nothing more (see `settle_lost`)."""
         with tf.device(self.host):
             blocked = self.blocked.read_value()
-            with tf.control_dependencies([blocked]):
+            closed = tf.maximum(self.closed.read_value(), number + 1)
+            with tf.control_dependencies([blocked, closed]):
                 updates = [
                     self.blocked.assign(tf.constant(0, tf.int64), read_value=False),
-                    self.closed.assign_add(1, read_value=False),
+                    self.closed.assign(closed, read_value=False),
                 ]
             with tf.control_dependencies(updates):
                 let_go = self._let_go(blocked)
             with tf.control_dependencies([let_go]):
                 return tf.identity(blocked)
+
+    def settle_lost(self, replica_id: tf.Tensor) -> tf.Tensor:
+        """Under the mutex: if the window taken last is not settled and
+        replica `replica_id` took it, settles it (its replica's task was
+        lost before it could; the window's step may not have been applied).
+        Windows are taken one at a time (the next takes only pushes read
+        after this one settled), so no other replica can settle it."""
+        with tf.device(self.host):
+            windows = self.windows.read_value()
+            stuck = tf.logical_and(
+                self.closed.read_value() < windows,
+                tf.equal(self.taker.read_value(), tf.cast(replica_id, tf.int64)),
+            )
+            return tf.cond(stuck, lambda: self.settle(windows - 1) >= 0, lambda: tf.constant(False))
 
     def _let_go(self, tokens: tf.Tensor) -> tf.Operation:
         """Puts `tokens` tokens on the release queue (unbounded: it never

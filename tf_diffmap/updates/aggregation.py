@@ -17,6 +17,21 @@ and the statistics count it dropped (the field's "discard gradients
 computed at old points", as in Rennala SGD, Tyurin and Richtarik 2023, and
 Ringmaster ASGD, Maranjyan, Tyurin and Richtarik 2025).
 
+With `max_step_staleness=0` the windows are *fresh*
+(`tf_diffmap.store.gate`): window v takes only gradients whose read saw v
+steps applied, decided under the accumulators' mutex; a gradient that did
+not takes no slot (it is dropped and counted, its examples counted as
+skipped); a window is full once its accepted examples make a global batch,
+and its step is the optimizer's step on their examples-weighted mean, the
+step of synchronous training. A replica that pushed into an open window
+waits for it to close before it takes another shard, so that replicas that
+keep pace stay in step, and the window timer (`tf_diffmap.engine.windows`)
+closes short or fills a window that waits on a slow replica past its
+patience (backup replicas: Chen, Pan, Monga, Bengio and Jozefowicz 2016,
+"Revisiting Distributed Synchronous SGD"). Half an optimizer step of
+staleness is enough to shrink momentum SGD's stable learning rates many
+times over; fresh windows have none.
+
 How it reaches the optimizer: while the strategy traces a replica step,
 the `apply` of every optimizer the step can reach (`optimizers_of`: the
 model's, and those the step function names) is replaced by
@@ -136,6 +151,7 @@ class Aggregation:
         self.variables: list | None = None
         self._flush_concrete = None
         self._close_concrete = None
+        self._settle_lost_concrete = None
 
     def _original_apply(self, grads, variables):
         """The optimizer's own `apply`, whatever replaces it on the instance."""
@@ -248,7 +264,9 @@ class Aggregation:
             with tf.control_dependencies([counted]):
                 return tf.cond(
                     window.taken,
-                    lambda: _after(locked(gate.mutex, gate.host, lambda: (gate.settle(), []))),
+                    lambda: _after(
+                        locked(gate.mutex, gate.host, lambda: (gate.settle(window.number), []))
+                    ),
                     lambda: tf.constant(False),
                 )
 
@@ -281,11 +299,19 @@ class Aggregation:
         def close(number, fill):
             return outside_replicas(lambda: self.accumulators.close_if_open(number, fill))
 
+        def settle_lost(replica_id):
+            gate = self.gate
+            return locked(gate.mutex, gate.host, lambda: (gate.settle_lost(replica_id), []))
+
         self._flush_concrete = tf.function(flush, autograph=False).get_concrete_function()
         if self.fresh:
             self._close_concrete = tf.function(close, autograph=False).get_concrete_function(
                 tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.bool)
             )
+            with tf.device(self.store.host):
+                self._settle_lost_concrete = tf.function(
+                    settle_lost, autograph=False
+                ).get_concrete_function(tf.TensorSpec([], tf.int64))
 
     def pending(self) -> int:
         """Pushes in the window not yet applied (a read from Python)."""
@@ -302,6 +328,29 @@ class Aggregation:
         if self._flush_concrete is None or not self.pending():
             return 0
         return int(self._flush_concrete())
+
+    def settle_lost(self, replica_id: int) -> bool:
+        """A replica's task was lost: if it had taken the window taken last
+        and not settled it, settles it, so that the replicas waiting for it
+        go on (the window's step is lost with the task, as a window taken
+        by a lost worker is under asynchronous windows).
+
+        Returns:
+            Whether a window was settled.
+        """
+        if self._settle_lost_concrete is None:
+            return False
+        return bool(self._settle_lost_concrete(tf.constant(replica_id, tf.int64)))
+
+    def prepare(self) -> None:
+        """Runs the window timer's functions and reads once, with no effect,
+        while every task serves (a function's first call registers it on
+        every task, a lost worker's included)."""
+        if self._close_concrete is None:
+            return
+        self.close_late(-1, False)
+        self.settle_lost(-2)
+        self.gate.statistics()
 
     def close_late(self, number: int, fill: bool) -> tuple[int, int]:
         """The window timer's call: window `number`, open past its patience,
