@@ -41,6 +41,7 @@ from tf_diffmap.cluster.membership import (
     MEMBERSHIP_PORT_OFFSET,
     request,
 )
+from tf_diffmap.cluster.server import check_server, start_server
 
 __all__ = ["chief_endpoint", "join_and_serve"]
 
@@ -101,8 +102,6 @@ def join_and_serve(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from tf_diffmap.cluster.server import check_server, start_server
-
     if config:
         os.environ["TF_CONFIG"] = config
         resolver = resolve_cluster()
