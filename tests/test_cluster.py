@@ -358,6 +358,33 @@ def test_cli_refuses_a_bad_local_spec_before_starting_anything(capsys):
     assert "--logical-cpus needs N >= 1" in capsys.readouterr().err
 
 
+def test_join_refuses_the_chiefs_tf_config_before_taking_the_signals(monkeypatch, capsys):
+    """A worker started with --join in the chief's shell inherits its
+    TF_CONFIG: refused with the way out, and Ctrl-C still works as before."""
+    spec = {"chief": ["127.0.0.1:1999"], "worker": ["127.0.0.1:1000"], "ps": ["127.0.0.1:2000"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}})
+    )
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(SystemExit) as e:
+        cluster.main(["--join", "127.0.0.1:2000"])
+    assert e.value.code == 2
+    error = capsys.readouterr().err
+    assert "TF_CONFIG names task 'chief' 0" in error
+    assert "env -u TF_CONFIG python -m tf_diffmap.cluster --join" in error
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+
+
+def test_a_joining_worker_given_a_host_alone_listens_on_a_port_of_its_own():
+    from tf_diffmap.cluster.member import _with_port
+
+    assert _with_port("127.0.0.1", 5000) == "127.0.0.1:5000"
+    assert _with_port("worker-3.example:2222", 5000) == "worker-3.example:2222"
+    host, _, port = _with_port("127.0.0.1", None).rpartition(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert _with_port("[::1]", 7) == "[::1]:7"
+
+
 def read_lines_until(process, marker, seconds):
     """The stdout lines of `process` up to the one starting with `marker`."""
     lines: queue.Queue = queue.Queue()

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--address",
         default=None,
-        metavar="HOST:PORT",
-        help="with --join and no TF_CONFIG: where the others reach this worker "
-        "(default: this host's name and a free port)",
+        metavar="HOST[:PORT]",
+        help="with --join and no TF_CONFIG: where the others reach this worker; a host "
+        "alone listens on --port, or a free port (default: this host's name)",
     )
     parser.add_argument(
         "--max-restarts",
