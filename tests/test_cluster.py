@@ -404,6 +404,36 @@ def read_lines_until(process, marker, seconds):
 
 
 @pytest.mark.slow
+def test_the_command_keeps_tensorflows_informational_lines_out():
+    """`python -m tf_diffmap.cluster` sets TF_CPP_MIN_LOG_LEVEL=1 unless it is
+    set: a server's log holds no session options dump, nor TensorFlow's
+    start-up lines (but the oneDNN notice, written before the level is
+    read, see docs/troubleshooting.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+
+    def informational(args: list[str], **more: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, *args],
+            env={**env, **more},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [
+            line
+            for line in result.stderr.splitlines()
+            if line[:1] == "I" and line[1:5].isdigit() and "oneDNN custom operations" not in line
+        ]
+
+    if not informational(["-c", "import tensorflow"]):
+        pytest.skip("TensorFlow writes no informational line at start-up here")
+    assert informational(["-m", "tf_diffmap.cluster", "--help"]) == []
+    # A level that is set is kept.
+    assert informational(["-m", "tf_diffmap.cluster", "--help"], TF_CPP_MIN_LOG_LEVEL="0")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_cli_prints_the_chief_tf_config_and_its_servers_end_with_it(stop, tmp_path):
