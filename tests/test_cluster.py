@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from cluster_chief import run_chief_script
 
 from tf_diffmap import cluster
 from tf_diffmap.cluster import parse_local_spec
@@ -124,15 +125,7 @@ CLIENT = textwrap.dedent(
 
 def run_chief(script: str, tmp_path, *args: str) -> dict:
     """Runs a chief script in a process of its own; returns its last line's JSON."""
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_chief_script(script, tmp_path, *args, timeout=200, log_level="2")
 
 
 @pytest.mark.slow
@@ -555,20 +548,13 @@ VALIDATION_CLIENT = textwrap.dedent(
     import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np
+    from cluster_chief import toy_task
     from tf_diffmap import cluster
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(512, 8)).astype("float32")
-    y = (x.sum(axis=1) > 0).astype("int32")
-    vx, vy = x[:192] + 0.5, y[:192]  # not the training data
     with cluster.LocalCluster(workers=2, ps=1) as local:
         strategy = cluster.strategy_for_cluster(local.resolver())
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+        x, y, model = toy_task(strategy, 512, 0.1, ["accuracy"])
+        vx, vy = x[:192] + 0.5, y[:192]  # not the training data
         seen = []
         record = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda epoch, logs: seen.append(logs["val_loss"]))
