@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import traceback
@@ -92,6 +93,10 @@ def main() -> None:
     parser.add_argument("--backup-dir", default=None, help="keras.callbacks.BackupAndRestore here")
     parser.add_argument("--save", default=None, help="save the trained model to this .keras file")
     args = parser.parse_args()
+    # The package logs the cluster's membership at INFO: the command that adds
+    # a worker, and each worker that joins or leaves.
+    logging.basicConfig()
+    logging.getLogger("tf_diffmap").setLevel(logging.INFO)
     try:
         train(args)
     except Exception:

@@ -19,7 +19,8 @@ from tests.conftest import classification_data, compile_logits, mlp
 from tf_diffmap.callbacks import _interval
 from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
-from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter, interval_figures
+from tf_diffmap.tensorboard_plugin.figures import interval_figures
+from tf_diffmap.tensorboard_plugin.summary import StalenessSummaryWriter
 
 REPLICAS = 4
 

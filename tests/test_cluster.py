@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from cluster_chief import run_chief_script
 
 from tf_diffmap import cluster
 from tf_diffmap.cluster import parse_local_spec
@@ -124,15 +125,7 @@ CLIENT = textwrap.dedent(
 
 def run_chief(script: str, tmp_path, *args: str) -> dict:
     """Runs a chief script in a process of its own; returns its last line's JSON."""
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_chief_script(script, tmp_path, *args, timeout=200, log_level="2")
 
 
 @pytest.mark.slow
@@ -358,6 +351,33 @@ def test_cli_refuses_a_bad_local_spec_before_starting_anything(capsys):
     assert "--logical-cpus needs N >= 1" in capsys.readouterr().err
 
 
+def test_join_refuses_the_chiefs_tf_config_before_taking_the_signals(monkeypatch, capsys):
+    """A worker started with --join in the chief's shell inherits its
+    TF_CONFIG: refused with the way out, and Ctrl-C still works as before."""
+    spec = {"chief": ["127.0.0.1:1999"], "worker": ["127.0.0.1:1000"], "ps": ["127.0.0.1:2000"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}})
+    )
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(SystemExit) as e:
+        cluster.main(["--join", "127.0.0.1:2000"])
+    assert e.value.code == 2
+    error = capsys.readouterr().err
+    assert "TF_CONFIG names task 'chief' 0" in error
+    assert "env -u TF_CONFIG python -m tf_diffmap.cluster --join" in error
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+
+
+def test_a_joining_worker_given_a_host_alone_listens_on_a_port_of_its_own():
+    from tf_diffmap.cluster.member import _with_port
+
+    assert _with_port("127.0.0.1", 5000) == "127.0.0.1:5000"
+    assert _with_port("worker-3.example:2222", 5000) == "worker-3.example:2222"
+    host, _, port = _with_port("127.0.0.1", None).rpartition(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert _with_port("[::1]", 7) == "[::1]:7"
+
+
 def read_lines_until(process, marker, seconds):
     """The stdout lines of `process` up to the one starting with `marker`."""
     lines: queue.Queue = queue.Queue()
@@ -374,6 +394,36 @@ def read_lines_until(process, marker, seconds):
         seen.append(line.rstrip("\n"))
         if line.startswith(marker):
             return seen
+
+
+@pytest.mark.slow
+def test_the_command_keeps_tensorflows_informational_lines_out():
+    """`python -m tf_diffmap.cluster` sets TF_CPP_MIN_LOG_LEVEL=1 unless it is
+    set: a server's log holds no session options dump, nor TensorFlow's
+    start-up lines (but the oneDNN notice, written before the level is
+    read, see docs/troubleshooting.md)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+
+    def informational(args: list[str], **more: str) -> list[str]:
+        result = subprocess.run(
+            [sys.executable, *args],
+            env={**env, **more},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [
+            line
+            for line in result.stderr.splitlines()
+            if line[:1] == "I" and line[1:5].isdigit() and "oneDNN custom operations" not in line
+        ]
+
+    if not informational(["-c", "import tensorflow"]):
+        pytest.skip("TensorFlow writes no informational line at start-up here")
+    assert informational(["-m", "tf_diffmap.cluster", "--help"]) == []
+    # A level that is set is kept.
+    assert informational(["-m", "tf_diffmap.cluster", "--help"], TF_CPP_MIN_LOG_LEVEL="0")
 
 
 @pytest.mark.slow
@@ -498,20 +548,13 @@ VALIDATION_CLIENT = textwrap.dedent(
     import json, os
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     import keras, numpy as np
+    from cluster_chief import toy_task
     from tf_diffmap import cluster
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(512, 8)).astype("float32")
-    y = (x.sum(axis=1) > 0).astype("int32")
-    vx, vy = x[:192] + 0.5, y[:192]  # not the training data
     with cluster.LocalCluster(workers=2, ps=1) as local:
         strategy = cluster.strategy_for_cluster(local.resolver())
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.1),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+        x, y, model = toy_task(strategy, 512, 0.1, ["accuracy"])
+        vx, vy = x[:192] + 0.5, y[:192]  # not the training data
         seen = []
         record = keras.callbacks.LambdaCallback(
             on_epoch_end=lambda epoch, logs: seen.append(logs["val_loss"]))

@@ -9,24 +9,23 @@ cluster with `LocalCluster` and kills and restarts only those processes.
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from cluster_chief import chief_env, run_chief_script
 
 from tf_diffmap.cluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-
 CHIEF = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
     import keras, numpy as np, tensorflow as tf
+    from cluster_chief import record_fit_error, toy_task
     from tf_diffmap import cluster
 
     scenario, workers = sys.argv[1], int(sys.argv[2])
@@ -41,13 +40,7 @@ CHIEF = textwrap.dedent(
     with cluster.LocalCluster(workers=workers, ps=1) as local:
         options = {"worker_timeout": PAUSE_TIMEOUT} if scenario == "paused" else {}
         strategy = cluster.strategy_for_cluster(local.resolver(), **options)
-        x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
-        y = (x.sum(axis=1) > 0).astype("int32")
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y, model = toy_task(strategy, 2048)
         steps_by_epoch = []
 
         class Faults(keras.callbacks.Callback):
@@ -118,12 +111,7 @@ CHIEF = textwrap.dedent(
             model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[Faults()])
             report["finished"] = True
         except Exception as error:
-            report["raised"] = type(error).__name__
-            report["message"] = str(error)
-            report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
-            # fit clears __cause__ (Keras re-raises `from None`); this stays.
-            details = getattr(error, "runtime_error", None)
-            report["runtime_error"] = [type(details).__name__, str(details)]
+            record_fit_error(report, error)
         if scenario == "paused":
             os.kill(local.pids[("worker", 2)], signal.SIGCONT)  # resumed in any case
         time.sleep(1.5)  # the idle monitor's second
@@ -151,17 +139,15 @@ PAUSE_TIMEOUT = 5.0
 
 
 def run_chief(scenario: str, workers: int, tmp_path, timeout=240, log_level="3") -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", f"PAUSE_TIMEOUT = {PAUSE_TIMEOUT}\n{CHIEF}", scenario, str(workers)],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL=log_level),
-        capture_output=True,
-        text=True,
+    return run_chief_script(
+        f"PAUSE_TIMEOUT = {PAUSE_TIMEOUT}\n{CHIEF}",
+        tmp_path,
+        scenario,
+        str(workers),
         timeout=timeout,
+        log_level=log_level,
+        with_stderr=True,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    report["stderr"] = result.stderr
-    return report
 
 
 def check_counts(report: dict, replicas: int) -> None:
@@ -316,15 +302,7 @@ DOWN = textwrap.dedent(
 
 
 def test_a_chief_started_while_a_worker_is_down_fails_in_bounded_time(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", DOWN],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_chief_script(DOWN, tmp_path, timeout=120)
     assert "/job:worker/replica:0/task:1" in report["message"], report
     assert report["address"] in report["message"]
     assert "/job:worker/replica:0/task:0" not in report["message"]
@@ -339,17 +317,12 @@ RESUMING_CHIEF = textwrap.dedent(
     """
     import json, os, pathlib, sys, time
     import keras, numpy as np, tensorflow as tf
+    from cluster_chief import record_fit_error, toy_task
     from tf_diffmap import cluster
 
     phase, backup_dir, killed_flag = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     strategy = cluster.strategy_for_cluster()
-    x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
-    y = (x.sum(axis=1) > 0).astype("int32")
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, model = toy_task(strategy, 2048)
     report = {"epochs": [], "weights_at_begin": {}, "weights_at_end": {}}
 
     def weights():
@@ -377,11 +350,7 @@ RESUMING_CHIEF = textwrap.dedent(
         report["finished"] = True
         report["version"] = strategy.version
     except Exception as error:
-        report["raised"] = type(error).__name__
-        report["message"] = str(error)
-        report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
-        details = getattr(error, "runtime_error", None)
-        report["runtime_error"] = [type(details).__name__, str(details)]
+        record_fit_error(report, error)
     print(json.dumps(report), flush=True)
     os._exit(0)  # a lost ps leaves the runtime's own threads behind
     """
@@ -405,7 +374,7 @@ def run_resuming_chief(local, phase: str, tmp_path) -> dict:
                 str(tmp_path / "backup"),
                 str(killed_flag),
             ],
-            env=dict(CHILD_ENV, TMPDIR=str(tmp_path), TF_CONFIG=local.tf_config("chief", 0)),
+            env=chief_env(tmp_path, TF_CONFIG=local.tf_config("chief", 0)),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

@@ -5,7 +5,10 @@ TensorBoard plugin, the cluster launcher and connection), the adapter
 (`strategy`, `scope_watch`), the engine (`engine/`, with the cluster's
 fault handling and input that run inside it), the updates (`updates/`), the
 store (`store/`), and the foundations (`devices`, `_tf_internal`). A module
-may import its own layer and those below. Imports made only for type
+may import its own layer and those below, and no module imports itself
+again through others (A imports B, and B, or a module B imports, imports
+A): such a circle is cut by moving what both need where it belongs. Imports
+inside functions count, since they run; imports made only for type
 checking (`if TYPE_CHECKING:`) are left out: they run nowhere.
 """
 
@@ -123,3 +126,72 @@ def test_the_check_sees_an_upward_import():
     assert RANK[layer_of("tf_diffmap.engine.runtime")] < RANK[layer_of("tf_diffmap.store")]
     typing_only = source + "\nif TYPE_CHECKING:\n    from tf_diffmap.engine import runtime\n"
     assert "tf_diffmap.engine.runtime" not in [m for _, m in imports_of(path, typing_only)]
+
+
+def import_graph(sources: dict[Path, str] | None = None) -> dict[str, dict[str, int]]:
+    """Per module, each tf_diffmap module it imports and the line of the first
+    such import; `sources` replaces the text of some modules."""
+    sources = sources or {}
+    graph: dict[str, dict[str, int]] = {}
+    for path in MODULES:
+        edges = graph.setdefault(module_name(path), {})
+        for line, imported in imports_of(path, sources.get(path)):
+            edges.setdefault(imported, line)
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The circles of `graph`, one per set of modules, each as the path
+    `[a, b, ..., a]` that closes it."""
+    circles: dict[frozenset[str], list[str]] = {}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in sorted(graph.get(module, {})):
+            if imported in path:
+                circle = path[path.index(imported) :] + [imported]
+                circles.setdefault(frozenset(circle), circle)
+            elif imported not in done:
+                visit(imported, path + [imported])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    return list(circles.values())
+
+
+def test_no_module_imports_itself_through_others():
+    graph = import_graph()
+    described = [
+        " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(circle, circle[1:], strict=False))
+        + f" -> {circle[-1]}"
+        for circle in import_circles(graph)
+    ]
+    assert not described, (
+        "Import circles (move what the modules share to where it belongs, or to a module "
+        "of its own that both import):\n" + "\n".join(described)
+    )
+
+
+def test_the_check_sees_an_import_circle():
+    """The check itself: a circle of two modules, one of three, and one made
+    by an import inside a function are caught; a chain and an import under
+    `if TYPE_CHECKING:` are not."""
+    assert import_circles({"a": {"b": 1}, "b": {"a": 1}}) == [["a", "b", "a"]]
+    assert import_circles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
+        ["a", "b", "c", "a"]
+    ]
+    assert import_circles({"a": {"b": 1, "c": 1}, "b": {"c": 1}, "c": {}}) == []
+
+    path = PACKAGE / "store" / "staleness.py"
+    source = path.read_text(encoding="utf-8")
+    # parameter_store imports staleness; staleness importing it back, even
+    # late, closes a circle.
+    assert "tf_diffmap.store.staleness" in import_graph()["tf_diffmap.store.parameter_store"]
+    pair = ["tf_diffmap.store.parameter_store", "tf_diffmap.store.staleness"]
+    assert pair not in [sorted(set(c)) for c in import_circles(import_graph())]
+    late = source + "\n\ndef _late():\n    from tf_diffmap.store import parameter_store\n"
+    assert pair in [sorted(set(c)) for c in import_circles(import_graph({path: late}))]
+    typing_only = source + "\nif TYPE_CHECKING:\n    from tf_diffmap.store import parameter_store\n"
+    assert pair not in [sorted(set(c)) for c in import_circles(import_graph({path: typing_only}))]

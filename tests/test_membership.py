@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from tf_diffmap.cluster.membership import Membership, SlotState, request
+from tf_diffmap.cluster.membership import Membership, SlotState, join_command, request
 
 DEVICES = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(3)]
 
@@ -87,3 +87,94 @@ def test_a_slot_moves_only_as_its_state_machine_says(membership):
     with pytest.raises(RuntimeError, match="cannot go from empty to member"):
         with membership._lock:
             membership._move(slot, SlotState.MEMBER)
+
+
+def _runtime(devices):
+    """A runtime whose workers join and leave at once, and whose cluster changes."""
+    return types.SimpleNamespace(
+        replica_devices=devices,
+        record=types.SimpleNamespace(lost=set, change_cluster=lambda add=None, remove=None: True),
+        training=lambda: False,
+        join_replicas=lambda task, replicas: None,
+        leave_replicas=lambda task, replicas, timeout: [],
+    )
+
+
+def test_the_chief_logs_the_command_that_adds_a_worker(caplog):
+    devices = [f"/job:worker/replica:0/task:{i}/device:CPU:{c}" for i in range(3) for c in (0, 1)]
+    cluster = {
+        "chief": ["127.0.0.1:1999"],
+        "worker": ["127.0.0.1:1000", "127.0.0.1:1001"],
+        "ps": ["127.0.0.1:2000"],
+    }
+    with caplog.at_level("INFO", logger="tf_diffmap"):
+        m = Membership(_runtime(devices), {0: "127.0.0.1:1000", 1: "127.0.0.1:1001"}, cluster, 0)
+    try:
+        command = (
+            f"env -u TF_CONFIG python -m tf_diffmap.cluster --join 127.0.0.1:{m.port} "
+            "--logical-cpus 2 --address 127.0.0.1"
+        )
+        assert m.join_command() == command
+        (record,) = [r for r in caplog.records if command in r.getMessage()]
+        assert record.levelname == "INFO"
+        assert "2 of its 3 worker slots are held" in record.getMessage()
+    finally:
+        m.stop()
+
+
+def test_join_command_gives_a_remote_chief_no_address_and_gpus_no_logical_cpus():
+    gpus = [
+        "/job:worker/replica:0/task:0/device:GPU:0",
+        "/job:worker/replica:0/task:0/device:GPU:1",
+    ]
+    assert join_command("chief.example:2223", gpus) == (
+        "env -u TF_CONFIG python -m tf_diffmap.cluster --join chief.example:2223"
+    )
+    one_cpu = ["/job:worker/replica:0/task:0/device:CPU:0"]
+    assert join_command("localhost:2223", one_cpu).endswith(
+        "--join localhost:2223 --address localhost"
+    )
+
+
+def test_routine_joins_and_leaves_are_info_and_a_refused_join_warns(monkeypatch, caplog):
+    """A worker joining and leaving is what the elastic cluster is for: INFO.
+    A worker whose devices do not fit its slot needs the user: WARNING."""
+    import tensorflow as tf
+
+    from tf_diffmap.cluster import membership as module
+
+    devices = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(3)]
+    found = devices[:2]
+    monkeypatch.setattr(module, "serves", lambda address, timeout: True)
+    monkeypatch.setattr(
+        tf.config, "list_logical_devices", lambda: [types.SimpleNamespace(name=d) for d in found]
+    )
+    cluster = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"], "ps": ["127.0.0.1:2000"]}
+    m = Membership(_runtime(devices), {0: "127.0.0.1:1000", 1: "127.0.0.1:1001"}, cluster, 0)
+
+    def join_and_wait() -> str:
+        assert ask(m, {"join": {"address": "127.0.0.1:1002"}})["index"] == 2
+        deadline = time.monotonic() + 30
+        while m.states()[2] == "expected" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return m.states()[2]
+
+    try:
+        with caplog.at_level("INFO", logger="tf_diffmap"):
+            # Its devices are not those of its slot: refused, with a warning.
+            assert join_and_wait() == "empty"
+            (refused,) = [r for r in caplog.records if "could not join" in r.getMessage()]
+            assert refused.levelname == "WARNING"
+            caplog.clear()
+            found.append(devices[2])
+            assert join_and_wait() == "member"
+            assert ask(m, {"leave": {"index": 2}})["left"] is True
+        routine = [
+            r.levelname
+            for r in caplog.records
+            if "joined in" in r.getMessage() or "left after" in r.getMessage()
+        ]
+        assert routine == ["INFO", "INFO"]
+        assert [r for r in caplog.records if r.levelname == "WARNING"] == []
+    finally:
+        m.stop()

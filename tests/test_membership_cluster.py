@@ -9,31 +9,30 @@ processes it started. Each test checks the version arithmetic: every token
 put was completed once or abandoned once.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cluster_chief import run_chief_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
 CHIEF = textwrap.dedent(
     """
     import json, logging, os, sys, threading, time
     import keras, numpy as np, tensorflow as tf
+    from cluster_chief import toy_task
     from tf_diffmap import cluster
 
     scenario = sys.argv[1]
     report = {"events": []}
-    warnings = []
+    # The package's log from INFO up (joins and leaves are INFO), as a user's
+    # logging shows it (basicConfig's format).
+    logged = []
     handler = logging.Handler()
     handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
-    handler.emit = lambda record: warnings.append(handler.format(record))
+    handler.emit = lambda record: logged.append(handler.format(record))
     logging.getLogger("tf_diffmap").addHandler(handler)
+    logging.getLogger("tf_diffmap").setLevel(logging.INFO)
     BATCHES, EPOCHS_AFTER = 64, 3
 
     def event(what, **figures):
@@ -49,14 +48,7 @@ CHIEF = textwrap.dedent(
         )
         membership = cluster.membership_of(strategy)
         report["states_at_start"] = [r.state for r in strategy.replica_states()]
-        x = np.random.default_rng(0).normal(size=(BATCHES * 32, 8)).astype("float32")
-        y = (x.sum(axis=1) > 0).astype("int32")
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+        x, y, model = toy_task(strategy, BATCHES * 32, metrics=["accuracy"])
         joined = {}
 
         def join():
@@ -140,7 +132,7 @@ CHIEF = textwrap.dedent(
         report["states"] = [r.state for r in strategy.replica_states()]
         report["slots"] = membership.states()
         report["joined"] = joined
-    report["warnings"] = warnings
+    report["logged"] = logged
     print(json.dumps(report))
     os._exit(0)
     """
@@ -150,17 +142,7 @@ BATCHES, SLOTS = 64, 3
 
 
 def run_chief(scenario: str, tmp_path, timeout=540) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-c", CHIEF, scenario],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    report["stderr"] = result.stderr
-    return report
+    return run_chief_script(CHIEF, tmp_path, scenario, timeout=timeout, with_stderr=True)
 
 
 def check_counts(report: dict) -> None:
@@ -190,7 +172,8 @@ def test_a_worker_joins_a_running_fit_and_trains(tmp_path):
     assert report["updates"][2] > 0
     assert report["states"][2] != "absent"
     assert report["slots"] == {"0": "member", "1": "member", "2": "member"}
-    assert any("joined" in w and "task:2" in w for w in report["warnings"]), report["warnings"]
+    joined = [line for line in report["logged"] if "joined in" in line and "task:2" in line]
+    assert joined and joined[0].startswith("INFO:tf_diffmap:"), report["logged"]
 
 
 def test_a_worker_that_leaves_with_sigterm_loses_nothing(tmp_path):
@@ -208,15 +191,17 @@ def test_a_worker_that_leaves_with_sigterm_loses_nothing(tmp_path):
     assert present and present[-1] + 1 < len(by_epoch)
     for steps in report["steps_by_epoch"][present[-1] + 1 :]:
         assert steps[2] == report["steps"][2] > 0
-    assert not any("did not answer" in w or "unreachable" in w for w in report["warnings"])
+    assert not any("did not answer" in w or "unreachable" in w for w in report["logged"])
+    left = [line for line in report["logged"] if "left after" in line]
+    assert left and left[0].startswith("INFO:tf_diffmap:"), report["logged"]
 
 
 def test_a_joined_worker_that_is_killed_is_lost_and_training_goes_on(tmp_path):
     report = run_chief("join_then_killed", tmp_path)
     check_counts(report)
     assert report["states"][2] == "lost"
-    lost = [w for w in report["warnings"] if "unreachable" in w]
-    assert len(lost) == 1 and "task:2" in lost[0], report["warnings"]
+    lost = [w for w in report["logged"] if "unreachable" in w]
+    assert len(lost) == 1 and "task:2" in lost[0], report["logged"]
 
 
 def test_a_worker_joins_while_another_is_lost(tmp_path):

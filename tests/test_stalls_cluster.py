@@ -12,25 +12,21 @@ runs in a subprocess that starts its cluster with `LocalCluster`, pauses
 only those processes and stops them by their handles.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cluster_chief import run_chief_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SCENARIOS = ["paused", "partitioned"]
-
-CHILD_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 WORKER_TIMEOUT, PS_TIMEOUT = 5.0, 8.0
 
 CHIEF = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
     import keras, numpy as np, tensorflow as tf
+    from cluster_chief import toy_task
     from tf_diffmap import cluster
 
     scenario, job = sys.argv[1], sys.argv[2]  # "paused" or "partitioned"; "worker" or "ps"
@@ -66,13 +62,7 @@ CHIEF = textwrap.dedent(
         strategy = cluster.strategy_for_cluster(
             local.resolver(), worker_timeout=WORKER_TIMEOUT, ps_timeout=PS_TIMEOUT
         )
-        x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
-        y = (x.sum(axis=1) > 0).astype("int32")
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y, model = toy_task(strategy, 2048)
         pid = local.pids[(job, index)]
 
         def hang():
@@ -132,15 +122,7 @@ CHIEF = textwrap.dedent(
 
 def run_chief(scenario: str, job: str, tmp_path) -> dict:
     source = f"WORKER_TIMEOUT, PS_TIMEOUT = {WORKER_TIMEOUT}, {PS_TIMEOUT}\n{CHIEF}"
-    result = subprocess.run(
-        [sys.executable, "-c", source, scenario, job],
-        env=dict(CHILD_ENV, TMPDIR=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=360,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_chief_script(source, tmp_path, scenario, job, timeout=360)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from cluster_chief import chief_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -26,18 +27,13 @@ CHIEF = textwrap.dedent(
     """
     import json, os, pathlib, sys, time
     import keras, numpy as np
+    from cluster_chief import toy_task
     from tf_diffmap import cluster
 
     backup, report_path, flags = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
     first_run = not (flags / "asked").exists()
     strategy = cluster.strategy_for_cluster()
-    x = np.random.default_rng(0).normal(size=(2048, 8)).astype("float32")
-    y = (x.sum(axis=1) > 0).astype("int32")
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                                  keras.layers.Dense(2)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, model = toy_task(strategy, 2048)
     run = {"first": first_run, "epochs": [], "started": time.time()}
 
     class Record(keras.callbacks.Callback):
@@ -90,7 +86,7 @@ def test_a_killed_ps_is_restarted_and_the_chief_resumes_without_a_human(tmp_path
         str(report),
         str(flags),
     ]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(tmp_path))
+    env = chief_env(tmp_path)
     supervisor = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -1,6 +1,18 @@
 """tf_diffmap: asynchronous data-parallel training for TensorFlow 2 and Keras 3."""
 
 import importlib.util
+import os
+import sys
+
+# `python -m tf_diffmap.cluster` (a worker or ps server, --join, --local) keeps
+# TensorFlow's informational lines out of its output unless
+# TF_CPP_MIN_LOG_LEVEL says otherwise: a server logs, for each remote context
+# a chief makes on it, its session options as a protocol buffer dump.
+# TensorFlow reads the level once, as it loads, and this package's import is
+# the only code of the command that runs before TensorFlow's (while Python
+# finds a `-m` module, `sys.argv[0]` is "-m").
+if sys.argv[:1] == ["-m"] and "tf_diffmap.cluster" in getattr(sys, "orig_argv", ()):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 if importlib.util.find_spec("tensorflow") is None:
     raise ImportError(

@@ -2,7 +2,7 @@
 
 The callback decides *when* to write: each point covers the updates between
 two snapshots of the strategy's counters. *What* is written, and how, is in
-`tf_diffmap/tensorboard_plugin/summary.py`.
+`tf_diffmap/tensorboard_plugin/` (`figures.py`, `summary.py`).
 
 Epoch points read the counters (`Strategy.statistics()`) at the epoch's end.
 Batch-level points come from snapshots that Keras' graph itself takes at the

@@ -23,15 +23,17 @@ cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`
 or `LocalCluster` start the worker and ps processes.
 
 Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
-`server` (`serve`, and `main`, the command line), `local` (`LocalCluster`),
-`faults` (lost tasks and their replicas: `ClusterRecord`), `inputs`
-(input built on the workers: `WorkerInput`), `membership` (workers that
-join and leave a running cluster: `Membership`), `member` (a worker's side
-of it) and `partition` (a network partition on one machine, for tests:
-`PartitionProxy`). A strategy on one host
-imports none of them.
+`server` (`serve`), `cli` (`main`, the command line), `local`
+(`LocalCluster`), `foreground` (`run_local`: `--local`), `supervisor`
+(`--local`'s restarts), `faults` (lost tasks and their replicas:
+`ClusterRecord`), `inputs` (input built on the workers: `WorkerInput`),
+`membership` (workers that join and leave a running cluster:
+`Membership`), `member` (a worker's side of it) and `partition` (a network
+partition on one machine, for tests: `PartitionProxy`). A strategy on one
+host imports none of them.
 """
 
+from tf_diffmap.cluster.cli import main
 from tf_diffmap.cluster.connect import (
     CONNECT_TIMEOUT,
     connect,
@@ -39,9 +41,10 @@ from tf_diffmap.cluster.connect import (
     membership_of,
     strategy_for_cluster,
 )
-from tf_diffmap.cluster.local import LocalCluster, parse_local_spec, run_local
+from tf_diffmap.cluster.foreground import parse_local_spec, run_local
+from tf_diffmap.cluster.local import LocalCluster
 from tf_diffmap.cluster.partition import PartitionProxy
-from tf_diffmap.cluster.server import main, serve
+from tf_diffmap.cluster.server import serve
 
 __all__ = [
     "CONNECT_TIMEOUT",

@@ -2,6 +2,6 @@
 
 import sys
 
-from tf_diffmap.cluster.server import main
+from tf_diffmap.cluster.cli import main
 
 sys.exit(main())

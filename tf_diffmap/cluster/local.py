@@ -5,7 +5,7 @@ ps task on free ports of 127.0.0.1, waits until each serves, and stops exactly
 the processes it started. The chief is not started: it is the process that
 uses `resolver()` (or `tf_config("chief", 0)`) and runs `model.fit`.
 `python -m tf_diffmap.cluster --local workers=2,ps=1` does the same in the
-foreground until Ctrl-C or SIGTERM (`run_local`).
+foreground until Ctrl-C or SIGTERM (`run_local`, in `foreground`).
 
 Each server runs in a session of its own, so a Ctrl-C meant for the parent
 does not reach it, and exits when its standard input closes, so it does not
@@ -29,11 +29,9 @@ from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["LocalCluster", "chief_resolver", "free_ports", "parse_local_spec", "run_local"]
+__all__ = ["LocalCluster", "chief_resolver", "free_ports"]
 
 SERVER_JOBS = ("worker", "ps")
-LOCAL_EXAMPLE = "--local workers=2,ps=1"
-_SPEC_KEYS = {"workers": "workers", "worker": "workers", "ps": "ps"}
 
 
 @dataclass
@@ -552,150 +550,3 @@ class LocalCluster:
                 )
             if pending:
                 time.sleep(0.1)
-
-
-def parse_local_spec(text: str) -> dict[str, int]:
-    """Reads a `--local` value such as `workers=2,ps=1` into `LocalCluster` counts.
-
-    A job left out keeps its default (2 workers, 1 ps); `worker` is accepted
-    for `workers`.
-
-    Args:
-        text: comma-separated `job=count` items.
-
-    Returns:
-        `{"workers": ..., "ps": ...}`.
-
-    Raises:
-        ValueError: an item that is not `job=count`, an unknown job, a job
-            given twice, or a count that is not an integer of at least 1.
-
-    Examples:
-        >>> from tf_diffmap.cluster import parse_local_spec
-        >>> parse_local_spec("workers=3,ps=2")
-        {'workers': 3, 'ps': 2}
-    """
-    counts = {"workers": 2, "ps": 1}
-    seen: set[str] = set()
-    example = f"for example {LOCAL_EXAMPLE}"
-    for item in text.split(","):
-        item = item.strip()
-        name, sep, value = item.partition("=")
-        name = name.strip().lower()
-        if not sep or not name:
-            raise ValueError(
-                f"--local {text!r}: {item!r} is not job=count; write the jobs as "
-                f"workers=N,ps=M, {example}."
-            )
-        if name not in _SPEC_KEYS:
-            why = (
-                " The chief is not started by --local: it is the process that runs "
-                "model.fit, with the TF_CONFIG that --local prints."
-                if name == "chief"
-                else ""
-            )
-            raise ValueError(
-                f"--local {text!r}: unknown job {name!r}; the jobs are 'workers' and 'ps', "
-                f"{example}.{why}"
-            )
-        key = _SPEC_KEYS[name]
-        if key in seen:
-            raise ValueError(f"--local {text!r}: {key!r} is given twice; give it once, {example}.")
-        seen.add(key)
-        try:
-            count = int(value.strip())
-        except ValueError:
-            count = None
-        if count is None or count < 1:
-            raise ValueError(
-                f"--local {text!r}: {key} needs a whole number of at least 1, received "
-                f"{value.strip()!r}; {example}."
-            )
-        counts[key] = count
-    return counts
-
-
-class _Stop(Exception):
-    """SIGTERM, turned into an exception so that the cluster is stopped in order."""
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
-
-
-def run_local(
-    workers: int = 2,
-    ps: int = 1,
-    cpus_per_worker: int = 1,
-    max_restarts: int = 3,
-    command: list[str] | None = None,
-) -> int:
-    """Runs a `LocalCluster` in the foreground until Ctrl-C or SIGTERM.
-
-    Prints each task's address, pid and TF_CONFIG (the chief's last, as
-    one JSON line), then keeps the servers running: a task that exits is
-    started again at its address, up to `max_restarts` times
-    (`supervisor.Supervisor`), and each restart is reported. With a
-    `command`, it runs it as the chief, again when it fails (up to
-    `max_restarts` times), and stops once it succeeds.
-
-    Args:
-        workers: worker tasks.
-        ps: ps tasks.
-        cpus_per_worker: logical CPU devices per worker task.
-        max_restarts: restarts of each task and of the chief; 0: none.
-        command: the training script's command line, run as the chief.
-
-    Returns:
-        The exit status: 0 once stopped by Ctrl-C or SIGTERM or once the
-        command succeeded, else the command's last status.
-    """
-    from tf_diffmap.cluster.supervisor import Supervisor
-
-    local = LocalCluster(workers, ps, chief=True, cpus_per_worker=cpus_per_worker)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, _raise_stop)
-    status = 0
-    supervisor = None
-    try:
-        local.start()
-        pids = local.pids
-        for job in SERVER_JOBS:
-            for index, address in enumerate(local.cluster_spec[job]):
-                print(f"{job} {index}  {address}  pid {pids[(job, index)]}")
-                print(f"  TF_CONFIG={local.tf_config(job, index)}")
-        chief = "started below" if command else "not started: your training process"
-        print(f"chief 0  {local.cluster_spec['chief'][0]}  ({chief})")
-        print(f"logs in {local.log_dir}")
-        print("# TF_CONFIG for the chief, the process that runs model.fit:")
-        print(local.tf_config("chief", 0))
-        if command:
-            print(f"Running the chief, restarting it and any task up to {max_restarts} times.")
-        else:
-            print(
-                f"Serving until Ctrl-C or SIGTERM; a task that exits starts again "
-                f"(up to {max_restarts} times).",
-                flush=True,
-            )
-        supervisor = Supervisor(local, max_restarts, command)
-        if command:
-            supervisor.start_chief()
-        while True:
-            time.sleep(0.5)
-            result = supervisor.poll()
-            if result is not None:
-                status = result
-                break
-    except (KeyboardInterrupt, _Stop):
-        pass
-    finally:
-        # A second Ctrl-C or SIGTERM must not cut the stopping short.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        if supervisor is not None:
-            supervisor.stop_chief()
-        local.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    print("Stopped the cluster's processes.", flush=True)
-    return status

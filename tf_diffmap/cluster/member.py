@@ -41,6 +41,7 @@ from tf_diffmap.cluster.membership import (
     MEMBERSHIP_PORT_OFFSET,
     request,
 )
+from tf_diffmap.cluster.server import check_server, start_server
 
 __all__ = ["chief_endpoint", "join_and_serve"]
 
@@ -82,8 +83,8 @@ def join_and_serve(
         membership: the chief's membership endpoint, `host:port`; by default
             derived from TF_CONFIG's chief (`chief_endpoint`).
         address: without TF_CONFIG, the `host:port` the others reach this
-            worker at; by default this host's name and `port` (or a free
-            port).
+            worker at; a host alone is given `port` (or a free port); by
+            default this host's name.
         config: a TF_CONFIG JSON string; by default the `TF_CONFIG`
             variable, if set.
         logical_cpus: logical CPU devices to make of the CPU, one replica
@@ -98,22 +99,30 @@ def join_and_serve(
         refused it a slot.
     """
     config = config if config is not None else os.environ.get("TF_CONFIG")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    from tf_diffmap.cluster.server import check_server, start_server
-
+    resolver = None
+    # What it was given is checked before it takes over the signals.
     if config:
         os.environ["TF_CONFIG"] = config
         resolver = resolve_cluster()
-        check_server(resolver)
         if resolver.task_type != "worker":
-            raise ValueError(f"--join is for worker tasks; TF_CONFIG names {resolver.task_type!r}.")
+            raise ValueError(
+                f"--join starts a worker, and TF_CONFIG names task {resolver.task_type!r} "
+                f"{resolver.task_id!r} (the chief's, left in this shell?). Unset it to be given a "
+                "free slot (env -u TF_CONFIG python -m tf_diffmap.cluster --join HOST:PORT), "
+                "or give this worker's own TF_CONFIG."
+            )
+        check_server(resolver)
+        membership = membership or chief_endpoint(resolver.cluster_spec().as_dict())
+    elif membership is None:
+        raise ValueError("--join needs the chief's membership endpoint, HOST:PORT.")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if resolver is not None:
         spec = resolver.cluster_spec().as_dict()
         index = resolver.task_id
         tasks = spec["worker"]
         own = tasks[index]
-        membership = membership or chief_endpoint(spec)
         start_server(
             resolver.cluster_spec(), "worker", index, logical_cpus, port, exit_when_stdin_closes
         )
@@ -125,9 +134,7 @@ def join_and_serve(
         )
         announce.start()
     else:
-        if membership is None:
-            raise ValueError("--join needs the chief's membership endpoint, HOST:PORT.")
-        own = address or f"{socket.getfqdn()}:{port or _free_port()}"
+        own = _with_port(address or socket.getfqdn(), port)
         reply = _ask(membership, {"join": {"address": own, "index": None}}, join_timeout, stop)
         if reply is None:
             return 0
@@ -203,6 +210,14 @@ def _ask(membership: str, message: dict, timeout: float, stop: threading.Event) 
                 return None
         stop.wait(RETRY_SECONDS)
     return None
+
+
+def _with_port(address: str, port: int | None) -> str:
+    """`address` as `host:port`: a host alone is given `port`, or a free port."""
+    host, sep, number = address.rpartition(":")
+    if sep and number.isdigit() and not address.endswith("]"):
+        return address
+    return f"{address}:{port or _free_port()}"
 
 
 def _free_port() -> int:

@@ -68,6 +68,7 @@ __all__ = [
     "Membership",
     "SlotState",
     "WorkerSlot",
+    "join_command",
     "request",
 ]
 
@@ -84,6 +85,8 @@ LEAVE_TIMEOUT = 30.0
 
 # The largest request or reply, in bytes.
 _MAX_MESSAGE = 1 << 16
+# Hosts that reach only this machine.
+_LOOPBACK = ("127.0.0.1", "localhost")
 
 
 class SlotState(enum.Enum):
@@ -139,6 +142,41 @@ class WorkerSlot:
     @property
     def task(self) -> str:
         return f"/job:worker/replica:0/task:{self.index}"
+
+
+def join_command(endpoint: str, devices: Sequence[str]) -> str:
+    """The shell command that starts a worker and joins it to the cluster.
+
+    Args:
+        endpoint: the chief's membership endpoint, `host:port`.
+        devices: the devices of a worker slot (those of the first worker):
+            several CPUs are a worker's `--logical-cpus`.
+
+    Returns:
+        `python -m tf_diffmap.cluster --join ENDPOINT ...` after `env -u
+        TF_CONFIG`: a worker that joins this way asks for a free slot, and a
+        TF_CONFIG left in its environment (the chief's, in the same shell)
+        would name another task. On a chief at a loopback address, the
+        worker is given one too (`--address 127.0.0.1`, on a free port), so
+        that the others reach it on this machine.
+
+    Examples:
+        >>> from tf_diffmap.cluster.membership import join_command
+        >>> join_command("10.0.0.5:2223", ["/job:worker/replica:0/task:0/device:GPU:0"])
+        'env -u TF_CONFIG python -m tf_diffmap.cluster --join 10.0.0.5:2223'
+        >>> cpus = [f"/job:worker/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+        >>> join_command("127.0.0.1:47866", cpus)  # doctest: +NORMALIZE_WHITESPACE
+        'env -u TF_CONFIG python -m tf_diffmap.cluster --join 127.0.0.1:47866
+         --logical-cpus 2 --address 127.0.0.1'
+    """
+    words = ["env", "-u", "TF_CONFIG", "python", "-m", "tf_diffmap.cluster", "--join", endpoint]
+    cpus = [d for d in devices if "/device:CPU:" in d]
+    if len(cpus) > 1 and len(cpus) == len(devices):
+        words += ["--logical-cpus", str(len(cpus))]
+    host = endpoint.rpartition(":")[0]
+    if host in _LOOPBACK:
+        words += ["--address", host]
+    return " ".join(words)
 
 
 def request(address: str, message: dict, timeout: float) -> dict:
@@ -214,11 +252,28 @@ class Membership:
             daemon=True,
         )
         self._server_thread.start()
+        held = sum(slot.state is SlotState.MEMBER for slot in self.slots.values())
+        logger.info(
+            "Workers may join this cluster: %d of its %d worker slots are held. To add a "
+            "worker, run on its machine:\n    %s\nSIGTERM to that process makes it leave.",
+            held,
+            len(self.slots),
+            self.join_command(),
+        )
 
     @property
     def port(self) -> int:
         """The port the endpoint listens on."""
         return self._server.server_address[1]
+
+    def join_command(self) -> str:
+        """The command that adds a worker (`join_command`), with this
+        endpoint at the chief's host in the cluster (or this host's name
+        where the cluster names no chief)."""
+        chiefs = self._cluster.get("chief")
+        host = chiefs[min(chiefs)].rpartition(":")[0] if chiefs else socket.getfqdn()
+        first = self.slots[min(self.slots)]
+        return join_command(f"{host}:{self.port}", first.devices)
 
     def states(self) -> dict[int, str]:
         """Each slot's state, by worker index."""
@@ -355,7 +410,7 @@ class Membership:
             address, slot.address = slot.address, None
             self._move(slot, SlotState.EMPTY)
         seconds = time.monotonic() - started
-        logger.warning(
+        logger.info(
             "worker %s (%s) left after %.1f s; its replicas %s are absent and training goes on "
             "with the others.",
             slot.task,
@@ -444,7 +499,7 @@ class Membership:
             return
         with self._lock:
             self._move(slot, SlotState.MEMBER)
-        logger.warning(
+        logger.info(
             "worker %s (%s) joined in %.1f s; its replicas %s train from now on.",
             slot.task,
             address,

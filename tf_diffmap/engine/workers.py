@@ -8,37 +8,34 @@ thus touches a replica once per K shards, and a slow replica simply takes
 fewer shards: nobody waits at a barrier. TensorFlow releases the GIL while a
 function runs, so the loops overlap.
 
-A replica's life is one `ReplicaState`; its transitions are listed in the
-enum's docstring and made in one place (`ReplicaLoops._move`). On a cluster
-that grows and shrinks (`tf_diffmap.cluster.membership`), a replica slot
-whose worker has not joined yet, or has left, is ABSENT: it has no thread,
-and the others take its shards; `join` and `leave` bring it in and out. A FAILED
-replica runs the runner's *drop loop* instead of its own (which may need a
-task that is gone): it takes what is queued and counts it dropped, so that
-nothing that feeds the queue ever blocks on a failed replica. A LOST replica
-(its worker task is unreachable, see `tf_diffmap.cluster.faults`) has no thread
-until `rejoin` starts one. Under `max_staleness` the thread asks for one
-shard at a time and only while its replica is within the bound of the
-slowest replica that is not lost.
+A replica's life is one `ReplicaState` (`replica_state.py`), changed in one
+place (`ReplicaLoops._move`). On a cluster that grows and shrinks
+(`tf_diffmap.cluster.membership`), a replica slot whose worker has not
+joined yet, or has left, is ABSENT: it has no thread, and the others take
+its shards; `join` and `leave` bring it in and out. A FAILED replica runs
+the runner's *drop loop* instead of its own (which may need a task that is
+gone): it takes what is queued and counts it dropped, so that nothing that
+feeds the queue ever blocks on a failed replica. A LOST replica (its worker
+task is unreachable, see `tf_diffmap.cluster.faults`) has no thread until
+`rejoin` starts one. Under `max_staleness` the thread asks for one shard at
+a time and only while its replica is within the bound of the slowest
+replica that is not lost.
 
 A replica whose loop call holds one shard for `worker_timeout` seconds while
-nothing else moves (the others wait for that shard, at the end of an epoch
-or under `max_staleness`) is *hung*: its worker was paused, or wedged,
-without dying. The idle monitor then fences it (and the other replicas of
-its worker) off the queue, and it becomes LOST: its thread is left to its
-call, and nobody waits for the shard it holds (it is *excused*). A hung
-call that answers finishes that shard (as any step would), takes nothing
-more, and ends; its replicas then rejoin. One whose worker turns out dead
-is lost as any other.
+nothing else moves is *hung*; what the loops' idle monitor does about it,
+and about a stall of every replica, is `hangs.HungCalls`, a base of
+`ReplicaLoops`.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
+
+from tf_diffmap.engine.hangs import HangHandler, HungCalls
+from tf_diffmap.engine.replica_state import GONE, MOVES, ReplicaState
 
 __all__ = ["HangHandler", "LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
 
@@ -51,75 +48,6 @@ IDLE_SECONDS = 1.0
 
 class WorkerError(RuntimeError):
     """A replica failed for a reason that is not an `Exception` of its own."""
-
-
-class ReplicaState(enum.Enum):
-    """Where one replica is. Every transition, and what causes it::
-
-        STOPPED   --start()-->                           RUNNING
-        RUNNING   --STOP item taken while stopping-->    STOPPED
-        RUNNING   --its loop raised an error-->          FAILED
-        RUNNING   --its loop lost its worker task-->     LOST
-        FAILED    --STOP item taken while stopping-->    STOPPED
-        FAILED    --start() once its thread is gone-->   RUNNING
-        LOST      --rejoin(): its worker serves again--> REJOINING
-        REJOINING --its thread started-->                RUNNING
-        REJOINING --rejoined while loops are stopped-->  STOPPED
-        ABSENT    --join(): a worker joined its slot-->  JOINING
-        JOINING   --its thread started-->                RUNNING
-        JOINING   --joined while loops are stopped-->    STOPPED
-        RUNNING   --leave(): its worker asks to leave--> LEAVING
-        LEAVING   --its call returned, shard done-->     ABSENT
-        LEAVING   --its loop lost its worker task-->     LOST
-        LEAVING   --its loop raised an error-->          FAILED
-        STOPPED   --leave(): no thread to end-->         ABSENT
-        LOST      --leave(): its worker is gone for good--> ABSENT
-
-    Only `ReplicaLoops._move` changes a state, and refuses any other change.
-    `start()` leaves LOST, REJOINING, ABSENT, JOINING and LEAVING replicas
-    alone: they come back through `rejoin` or `join`.
-    """
-
-    STOPPED = "stopped"
-    RUNNING = "running"
-    FAILED = "failed"
-    LOST = "lost"
-    REJOINING = "rejoining"
-    ABSENT = "absent"
-    JOINING = "joining"
-    LEAVING = "leaving"
-
-
-_MOVES = {
-    (ReplicaState.STOPPED, ReplicaState.RUNNING),
-    (ReplicaState.RUNNING, ReplicaState.STOPPED),
-    (ReplicaState.RUNNING, ReplicaState.FAILED),
-    (ReplicaState.RUNNING, ReplicaState.LOST),
-    (ReplicaState.FAILED, ReplicaState.STOPPED),
-    (ReplicaState.FAILED, ReplicaState.RUNNING),
-    (ReplicaState.LOST, ReplicaState.REJOINING),
-    (ReplicaState.REJOINING, ReplicaState.RUNNING),
-    (ReplicaState.REJOINING, ReplicaState.STOPPED),
-    (ReplicaState.ABSENT, ReplicaState.JOINING),
-    (ReplicaState.JOINING, ReplicaState.RUNNING),
-    (ReplicaState.JOINING, ReplicaState.STOPPED),
-    (ReplicaState.RUNNING, ReplicaState.LEAVING),
-    (ReplicaState.LEAVING, ReplicaState.ABSENT),
-    (ReplicaState.LEAVING, ReplicaState.LOST),
-    (ReplicaState.LEAVING, ReplicaState.FAILED),
-    (ReplicaState.STOPPED, ReplicaState.ABSENT),
-    (ReplicaState.LOST, ReplicaState.ABSENT),
-}
-
-# Replicas with no thread of their own until their worker serves again (or
-# joins), and those whose thread is ending for good: none of them trains.
-_GONE = (
-    ReplicaState.LOST,
-    ReplicaState.REJOINING,
-    ReplicaState.ABSENT,
-    ReplicaState.JOINING,
-    ReplicaState.LEAVING,
-)
 
 
 class LoopRunner(Protocol):
@@ -153,28 +81,7 @@ class LoopRunner(Protocol):
         """Keeps replicas' loop calls from taking more (or lets them again)."""
 
 
-class HangHandler(Protocol):
-    """What `ReplicaLoops` asks about replicas whose calls hang."""
-
-    def group_of(self, replica_id: int) -> Sequence[int]:
-        """The replicas that hang with this one (those of its worker task)."""
-
-    def hung(self, replica_id: int, group: Sequence[int], seconds: float) -> None:
-        """A replica's call did not answer for `seconds` while the others
-        waited (it held one shard, or did not take its STOP): its group is
-        lost (report and warn)."""
-
-    def answered(self, group: Sequence[int]) -> None:
-        """Every hung call of the group has answered: its replicas rejoin
-        (called from the last one's thread; `ReplicaLoops.rejoin` follows)."""
-
-    def stalled(self, seconds: float) -> bool:
-        """No shard was applied for `seconds` while shards waited and no
-        single replica could be blamed: whether that is fatal (a parameter
-        server that does not answer; the handler keeps the error to raise)."""
-
-
-class ReplicaLoops:
+class ReplicaLoops(HungCalls):
     """Threads running one training step's replica loops, asynchronously.
 
     Args:
@@ -216,11 +123,8 @@ class ReplicaLoops:
     ):
         if (worker_timeout is not None or stall_timeout is not None) and hangs is None:
             raise ValueError("A worker_timeout or stall_timeout needs a HangHandler.")
+        super().__init__()
         self.stall_timeout = stall_timeout
-        # When the count of applied shards last moved (or shards last
-        # stopped waiting), and whether the loops were abandoned for a stall.
-        self._applied_since: tuple[int, float] | None = None
-        self._stalled = False
         self.runner = runner
         self.num_replicas = num_replicas
         self.name = name
@@ -246,15 +150,6 @@ class ReplicaLoops:
         self._local = threading.local()
         self.worker_timeout = worker_timeout
         self._hangs = hangs
-        # Hung replicas' threads, still in their calls; the group each hung
-        # with; those of them holding a shard nobody waits for; groups with
-        # a replica whose worker turned out lost.
-        self._orphans: dict[int, threading.Thread] = {}
-        self._group: dict[int, tuple[int, ...]] = {}
-        self._excused: set[int] = set()
-        self._gone: set[int] = set()
-        # Per replica: (its stamp and the progress, when first seen so).
-        self._unmoved: dict[int, tuple[tuple, float]] = {}
 
     # -- lifecycle (any thread but a worker's) --------------------------------
 
@@ -285,7 +180,7 @@ class ReplicaLoops:
             answered.wait(self.worker_timeout)
         with self._lock:
             for replica_id in range(self.num_replicas):
-                if self._states[replica_id] in _GONE:
+                if self._states[replica_id] in GONE:
                     continue
                 self._start_thread(replica_id)
             if self._monitor is None or not self._monitor.is_alive():
@@ -318,7 +213,7 @@ class ReplicaLoops:
         before = self._states[replica_id]
         if before is state:
             return
-        if (before, state) not in _MOVES:
+        if (before, state) not in MOVES:
             raise RuntimeError(
                 f"Replica {replica_id} cannot go from {before.value} to {state.value}."
             )
@@ -337,17 +232,7 @@ class ReplicaLoops:
                 if self._states[r] is ReplicaState.LOST and r not in self._orphans
             ]
         # A replica that hung was fenced off the queue.
-        self.runner.fence(replica_ids, False)
-        with self._lock:
-            running = not self._stopping and any(t.is_alive() for t in self._threads.values())
-            for replica_id in replica_ids:
-                if self._states[replica_id] is not ReplicaState.LOST:
-                    continue
-                self._move(replica_id, ReplicaState.REJOINING)
-                if running:
-                    self._start_thread(replica_id)
-                else:
-                    self._move(replica_id, ReplicaState.STOPPED)
+        self._bring_in(replica_ids, ReplicaState.LOST, ReplicaState.REJOINING)
 
     def join(self, replica_ids: Sequence[int]) -> None:
         """Brings ABSENT replicas in (a worker joined their slots): their
@@ -357,18 +242,28 @@ class ReplicaLoops:
         with self._lock:
             replica_ids = [r for r in replica_ids if self._states[r] is ReplicaState.ABSENT]
             live = [
-                steps[r] + self._offsets[r] for r, st in enumerate(self._states) if st not in _GONE
+                steps[r] + self._offsets[r] for r, st in enumerate(self._states) if st not in GONE
             ]
             # Under `max_staleness`, a replica that joins counts as level with
             # the slowest one present, not as that many steps behind it.
             for r in replica_ids:
                 self._offsets[r] = (min(live) if live else 0) - steps[r]
         # A replica that left was fenced off the queue.
+        self._bring_in(replica_ids, ReplicaState.ABSENT, ReplicaState.JOINING)
+
+    def _bring_in(
+        self, replica_ids: Sequence[int], gone: ReplicaState, coming: ReplicaState
+    ) -> None:
+        """Lets replicas that are still `gone` take from the queue again, and
+        moves each to `coming`, then to RUNNING with a thread of its own if
+        the loops run, else to STOPPED (the next `start()` starts it)."""
         self.runner.fence(replica_ids, False)
         with self._lock:
             running = not self._stopping and any(t.is_alive() for t in self._threads.values())
             for replica_id in replica_ids:
-                self._move(replica_id, ReplicaState.JOINING)
+                if self._states[replica_id] is not gone:
+                    continue
+                self._move(replica_id, coming)
                 if running:
                     self._start_thread(replica_id)
                 else:
@@ -443,37 +338,6 @@ class ReplicaLoops:
         if self.worker_timeout is not None:
             self._fence_stuck(live, time.monotonic() - started)
 
-    def _fence_stuck(self, live: list[threading.Thread], seconds: float) -> None:
-        """Threads that did not take their STOP within `worker_timeout` are
-        in calls that hang (their worker does not answer; they hold no
-        shard, or the monitor had seen them): their groups are left to
-        them, unless nobody else would be left to train. The STOP each was
-        sent stays queued, and a loop that takes it later, not stopping,
-        goes on."""
-        with self._lock:
-            stuck = [
-                r
-                for r, t in self._threads.items()
-                if t in live
-                and t.is_alive()
-                and t is not threading.current_thread()
-                and self._states[r] is not ReplicaState.LEAVING
-            ]
-            others = [
-                r for r, state in enumerate(self._states) if r not in stuck and state not in _GONE
-            ]
-        groups: list[list[int]] = []
-        for replica_id in stuck:
-            if not any(replica_id in g for g in groups):
-                groups.append([r for r in self._hangs.group_of(replica_id) if r in stuck])
-        for group in groups:
-            if not [r for r in others if r not in group]:
-                continue  # Nobody else trains: nobody waits on it.
-            self.runner.fence(group, True)
-            left = self._leave(group, self.runner.stamps())
-            if left:
-                self._hangs.hung(left[0], left, seconds)
-
     def in_worker(self) -> bool:
         """Whether the current thread is one of these loops' threads."""
         return getattr(self._local, "replica_id", None) is not None
@@ -481,11 +345,6 @@ class ReplicaLoops:
     def running(self) -> bool:
         with self._lock:
             return any(t.is_alive() for t in self._threads.values())
-
-    def excused(self) -> int:
-        """Shards held by hung calls, which nobody waits for."""
-        with self._lock:
-            return len(self._excused)
 
     def wait_idle(self, failed: Callable[[], bool]) -> None:
         """Waits until nothing is queued or being applied, but for the
@@ -519,7 +378,7 @@ class ReplicaLoops:
         None when every replica is lost."""
         steps = [s + o for s, o in zip(self.runner.replica_steps(), self._offsets)]
         with self._lock:
-            live = [r for r, state in enumerate(self._states) if state not in _GONE]
+            live = [r for r, state in enumerate(self._states) if state not in GONE]
         if not live:
             return None
         pick = min if self.max_staleness is not None else max
@@ -531,7 +390,7 @@ class ReplicaLoops:
             return self.steps_per_loop
         steps = [s + o for s, o in zip(self.runner.replica_steps(), self._offsets)]
         with self._lock:
-            live = [s for s, state in zip(steps, self._states) if state not in _GONE]
+            live = [s for s, state in zip(steps, self._states) if state not in GONE]
         # One at a time: the bound is checked again before every step.
         return 1 if steps[replica_id] - min(live or steps) <= self.max_staleness else 0
 
@@ -621,144 +480,6 @@ class ReplicaLoops:
         state = self._on_error(replica_id, error)
         self.runner.release(replica_id, requeue=state is not ReplicaState.FAILED)
         return state
-
-    # -- hung calls -------------------------------------------------------------
-
-    def _orphaned(self, replica_id: int) -> bool:
-        """Whether the current thread is a hung replica's, left to its call."""
-        with self._lock:
-            return self._orphans.get(replica_id) is threading.current_thread()
-
-    def _look_for_hangs(self, seen: tuple[int, int]) -> None:
-        """One look of the idle monitor: a replica whose shard has not moved,
-        with nothing else moving, for `worker_timeout` seconds is hung."""
-        stamps = self.runner.stamps()
-        now = time.monotonic()
-        with self._lock:
-            # A hung call may take one more item as it is fenced, and hold it.
-            self._excused.update(r for r in self._orphans if stamps[r])
-            live = [
-                r
-                for r, t in self._threads.items()
-                if t.is_alive() and self._states[r] is ReplicaState.RUNNING
-            ]
-        for replica_id in range(self.num_replicas):
-            look = (stamps[replica_id], seen)
-            if replica_id not in live or not stamps[replica_id]:
-                self._unmoved.pop(replica_id, None)
-                continue
-            first = self._unmoved.get(replica_id)
-            if first is None or first[0] != look:
-                self._unmoved[replica_id] = (look, now)
-            elif now - first[1] >= self.worker_timeout:
-                if self.stall_timeout is not None and all(stamps[q] for q in live):
-                    # Every replica holds a shard and none moves: what they
-                    # share stopped answering, not one worker (`_look_for_stall`).
-                    continue
-                self._unmoved.clear()
-                self._fence_hung(replica_id, stamps[replica_id], live, now - first[1])
-                return
-
-    def _fence_hung(self, replica_id: int, stamp: int, live: list[int], seconds: float) -> None:
-        """Fences a replica that looks hung, with its group, and confirms:
-        if its shard is still the same once the fence is up, its calls are
-        left to themselves and its group is lost; otherwise the fence goes."""
-        group = [r for r in self._hangs.group_of(replica_id) if r in live]
-        if not [r for r in live if r not in group]:
-            return  # Nobody else trains: nobody waits on it.
-        self.runner.fence(group, True)
-        stamps = self.runner.stamps()
-        if stamps[replica_id] != stamp:
-            self.runner.fence(group, False)
-            return
-        left = self._leave(group, stamps)
-        if left:
-            self._hangs.hung(replica_id, left, seconds)
-
-    def _leave(self, group: Sequence[int], stamps: Sequence[int]) -> list[int]:
-        """Leaves a fenced group's threads to their calls: LOST, not waited
-        for, and the shards they hold excused."""
-        with self._lock:
-            left = [r for r in group if r in self._threads]
-            for r in left:
-                self._move(r, ReplicaState.LOST)
-                self._orphans[r] = self._threads.pop(r)
-                self._group[r] = tuple(left)
-                if stamps[r]:
-                    self._excused.add(r)
-            self._progress.notify_all()
-        # One that ended meanwhile is not left to a call: it may take again.
-        self.runner.fence([r for r in group if r not in left], False)
-        return left
-
-    def _answer(self, replica_id: int, error: BaseException | None) -> None:
-        """A hung replica's call ended (in its thread): the shard it held is
-        applied, or, for an error, released as any failed call's is. Once
-        its whole group answered, the group rejoins, unless its worker
-        turned out lost (it then rejoins when it serves again)."""
-        state = self._failed(replica_id, error) if error is not None else None
-        with self._lock:
-            del self._orphans[replica_id]
-            self._excused.discard(replica_id)
-            group = self._group.pop(replica_id)
-            if state is ReplicaState.LOST:
-                self._gone.update(group)
-            self._progress.notify_all()
-            if any(r in self._orphans for r in group):
-                return
-            gone = self._gone.intersection(group)
-            self._gone.difference_update(group)
-        if not gone and not self._stalled:
-            self._hangs.answered(group)
-
-    def _look_for_stall(self, seen: tuple[int, int]) -> bool:
-        """One look of the idle monitor for a stall: shards wait and none was
-        applied for `stall_timeout` seconds. Returns whether the loops were
-        abandoned (the handler found it fatal)."""
-        now = time.monotonic()
-        waiting = seen[0] - seen[1] > self.excused()
-        if not waiting or self._stalled:
-            self._applied_since = None
-            return False
-        if self._applied_since is None or self._applied_since[0] != seen[1]:
-            self._applied_since = (seen[1], now)
-            return False
-        seconds = now - self._applied_since[1]
-        if seconds < self.stall_timeout:
-            return False
-        self._applied_since = (seen[1], now)  # Asked once per stall_timeout.
-        if not self._hangs.stalled(seconds):
-            return False
-        self._abandon()
-        return True
-
-    def _abandon(self) -> None:
-        """Every replica's call hangs and the error that ends training is
-        kept: each thread is left to its call, and a new thread per replica
-        drops what is queued (as a FAILED replica does) until stopped, so
-        that nothing that feeds the queue waits for ever."""
-        stamps = self.runner.stamps()
-        with self._lock:
-            self._stalled = True
-            stuck = [r for r, t in self._threads.items() if t.is_alive()]
-            for r in stuck:
-                self._orphans[r] = self._threads.pop(r)
-                self._group[r] = tuple(stuck)
-                if stamps[r]:
-                    self._excused.add(r)
-            for r in range(self.num_replicas):
-                if self._states[r] in _GONE:
-                    continue
-                if self._states[r] is not ReplicaState.RUNNING:
-                    self._move(r, ReplicaState.RUNNING)
-                self._move(r, ReplicaState.FAILED)
-                # Started holding the lock: its first look sees FAILED.
-                thread = threading.Thread(
-                    target=self._run, args=(r, None), name=f"{self.name}-drop-{r}", daemon=True
-                )
-                self._threads[r] = thread
-                thread.start()
-            self._progress.notify_all()
 
     def _watch_idle(self) -> None:
         # Idle means that nothing moved: no shard put and none applied since

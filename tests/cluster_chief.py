@@ -1,0 +1,90 @@
+"""What the multi-process cluster tests share: the chief's toy task, and how
+a test runs a chief.
+
+A chief is a script run in a process of its own (connecting makes a process
+the cluster's chief for good). `chief_env` gives it this folder on its
+path, so that it can `from cluster_chief import toy_task`; `run_chief_script`
+runs one and returns the JSON report its last line prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def chief_env(tmp_path: Path, log_level: str = "3", **more: str) -> dict[str, str]:
+    """The environment of a chief (or of the command that runs one): its
+    temporary files (the cluster's logs among them) under `tmp_path`,
+    TensorFlow's C++ logging at `log_level`, and this folder importable."""
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    return dict(
+        os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL=log_level, PYTHONPATH=path, **more
+    )
+
+
+def run_chief_script(
+    source: str,
+    tmp_path: Path,
+    *args: str,
+    timeout: float,
+    log_level: str = "3",
+    with_stderr: bool = False,
+) -> dict:
+    """Runs `source` with `args` as a chief; returns the JSON of its last
+    line of output (with its standard error as `"stderr"` if asked)."""
+    result = subprocess.run(
+        [sys.executable, "-c", source, *args],
+        env=chief_env(tmp_path, log_level),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    if with_stderr:
+        report["stderr"] = result.stderr
+    return report
+
+
+def toy_task(strategy, examples: int, learning_rate: float = 0.05, metrics=()):
+    """The task the chiefs train: whether 8 normal features sum above 0, for
+    a model of one hidden layer made in `strategy`'s scope.
+
+    Returns:
+        `(x, y, model)`, the data the same for the same `examples`.
+    """
+    import keras
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(examples, 8)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(learning_rate),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=list(metrics) or None,
+        )
+    return x, y, model
+
+
+def record_fit_error(report: dict, error: Exception) -> None:
+    """Puts what a chief's `fit` raised into its report: the error's type
+    and message, the seconds since `report["killed_at"]` (the fault the
+    chief caused, if any), and the runtime's own error, which the package
+    keeps as `error.runtime_error` (`fit` clears `__cause__`)."""
+    import time
+
+    report["raised"] = type(error).__name__
+    report["message"] = str(error)
+    report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
+    details = getattr(error, "runtime_error", None)
+    report["runtime_error"] = [type(details).__name__, str(details)]
