@@ -22,10 +22,10 @@ import tensorflow as tf
 
 import tf_diffmap
 from tf_diffmap import _tf_internal
-from tf_diffmap import strategy as strategy_module
+from tf_diffmap import extended as extended_module
 from tf_diffmap._tf_internal import checks
 
-Extended = strategy_module._AsyncExtended
+Extended = extended_module.AsyncExtended
 
 # -- what `check_compatibility` looks up ---------------------------------------
 
@@ -164,7 +164,7 @@ ROUTES = {
 
 
 def _overridden_hooks() -> set[str]:
-    """What `_AsyncExtended` defines that TensorFlow's `StrategyExtended`, or
+    """What `AsyncExtended` defines that TensorFlow's `StrategyExtended`, or
     one of TensorFlow's own strategies, defines too."""
     tensorflow_names = set()
     for cls in [*_tf_internal.ExtendedBase.__mro__, *checks._built_in_extended_classes()]:
@@ -188,7 +188,7 @@ def test_every_hook_is_checked_and_routed():
 
 
 def _recorded(name: str, member, calls, flow, probes):
-    """`member` of `_AsyncExtended`, recording each call under the current flow."""
+    """`member` of `AsyncExtended`, recording each call under the current flow."""
     probe = probes.get(name)
     if isinstance(member, property):
 
@@ -340,13 +340,13 @@ def routes():
 def test_tensorflow_routes_through_the_hook(routes, hook):
     calls, _, errors = routes
     flow = ROUTES[hook]
-    assert hook in vars(Extended), f"_AsyncExtended no longer overrides `{hook}`"
+    assert hook in vars(Extended), f"AsyncExtended no longer overrides `{hook}`"
     if flow in calls[hook]:
         return
     assert flow not in errors, f"the {flow} flow failed before reaching `{hook}`: {errors[flow]!r}"
     assert flow in calls[hook], (
         f"TensorFlow {tf.__version__} with Keras {keras.__version__} no longer calls "
-        f"`_AsyncExtended.{hook}` in {flow} (it was called in: {sorted(calls[hook]) or 'none'})"
+        f"`AsyncExtended.{hook}` in {flow} (it was called in: {sorted(calls[hook]) or 'none'})"
     )
 
 

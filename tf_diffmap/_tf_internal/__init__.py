@@ -4,7 +4,7 @@ No other module of the package imports `tensorflow.python` or `keras.src`,
 walks the stack or rewrites a graph: they use the names below, so that a
 TensorFlow or Keras upgrade touches this package alone. Two classes outside
 it must define private hooks as methods of their own: the strategy's
-`_AsyncExtended` (which also calls the `_container_strategy` it inherits)
+`extended.AsyncExtended` (which also calls the `_container_strategy` it inherits)
 and `partitioned.PartitionedVariable`; `checks` lists each of their hooks.
 `check_compatibility` (run when a `Strategy` is built) fails naming what
 moved; tests/test_tf_internal.py runs every hook and rewrite through

@@ -26,7 +26,7 @@ from tf_diffmap._tf_internal.variables import ResourceVariable
 # The TensorFlow releases whose internals the package was tested with.
 TESTED_TENSORFLOW = ("2.21", "2.22")
 
-# Private hooks of `StrategyExtended` that `strategy._AsyncExtended`
+# Private hooks of `StrategyExtended` that `extended.AsyncExtended`
 # overrides, with the parameters TensorFlow calls them with (None: a
 # property). A change in any of them means the strategy may no longer be
 # called the way it was written for.
@@ -66,7 +66,7 @@ CALLED_HOOKS: dict[str, object] = {
 # Private members of `StrategyExtended` that the strategy calls.
 CALLED_MEMBERS = ("_container_strategy",)
 
-# Public members of `StrategyExtended` that `_AsyncExtended` overrides: they
+# Public members of `StrategyExtended` that `extended.AsyncExtended` overrides: they
 # need no check here, and tests/test_tf_internal.py exercises them with the
 # private ones.
 PUBLIC_OVERRIDES = (

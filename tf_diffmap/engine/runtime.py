@@ -26,7 +26,7 @@ from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.engine.guard import CollapseGuard
 from tf_diffmap.engine.replica_step import in_clean_thread
 from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
-from tf_diffmap.engine.windows import PATIENCE_MARGIN, WindowTimer
+from tf_diffmap.engine.windows import LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import ReplicaState
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
@@ -86,7 +86,7 @@ class Runtime:
             has their rows, and they train once their worker joins.
         late_window: where windows are fresh (`max_step_staleness=0`), what
             the window timer does with a window open past its patience:
-            `"close"` it short or `"fill"` it (`tf_diffmap.engine.windows`).
+            `"fill"` it or `"close"` it short (`tf_diffmap.engine.windows`).
         patience_margin: the patience's margin over the median replica's
             read-to-push time.
     """
@@ -105,7 +105,7 @@ class Runtime:
         max_step_staleness: int | None = None,
         ps_timeout: float | None = None,
         absent_replicas: Sequence[int] = (),
-        late_window: str = "close",
+        late_window: str = LATE_WINDOW,
         patience_margin: float = PATIENCE_MARGIN,
     ):
         self.replica_devices = list(replica_devices)

@@ -33,7 +33,7 @@ import numpy as np
 
 from tf_diffmap.updates.aggregation import Aggregation
 
-__all__ = ["LATE_WINDOW_POLICIES", "PATIENCE_MARGIN", "WindowTimer"]
+__all__ = ["LATE_WINDOW", "LATE_WINDOW_POLICIES", "PATIENCE_MARGIN", "WindowTimer"]
 
 logger = logging.getLogger("tf_diffmap")
 
@@ -41,9 +41,24 @@ LATE_WINDOW_POLICIES = ("close", "fill")
 """What the timer does with a window open past its patience: `"close"` it
 short, or `"fill"` it with gradients of replicas that wait."""
 
+LATE_WINDOW = "fill"
+"""The default of `Strategy(late_window=...)`. Chosen on the tuning half of
+the held-out grid (`benchmarks.grid`, 32 conditions, seed 0, 2026-12-06),
+between closing short and filling: against synchronous training, filling
+had a median gap of -0.1 points where it reaches 0.5 (closing: -1.0), a
+worst gap of -10.0 points where it reaches 0.8 (closing: -64.7, a CNN with
+momentum 0.99 at twice its rate, whose windows closed short kept the rate
+tuned for the whole batch) and no run under 0.5 there (closing: 1). On the
+benchmark suite's straggler workload (4 replicas, one 4 times slower,
+digits, Adam), both reached 97% in under 0.5 times MirroredStrategy's time
+(2.44 s filled, 2.70 s closed, 6.67 s; `python -m benchmarks --quick --only
+accuracy`)."""
+
 PATIENCE_MARGIN = 1.0
 """The default margin of a fresh window's patience, over the median
-replica's read-to-push time (see `WindowTimer`)."""
+replica's read-to-push time (see `WindowTimer`): a window waits twice the
+median replica's shard. Set before any measurement, and the tuning half of
+the grid ran with it; other margins have not been compared there yet."""
 
 
 class WindowTimer:

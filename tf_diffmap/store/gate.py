@@ -244,19 +244,16 @@ class Gate:
 
     def timed(self, replica_id: tf.Tensor, read_time: tf.Tensor) -> tf.Operation:
         """Adds a push's read-to-push time to the replica's average. A
-        replica's first push is not timed: its step ran for the first time
-        (the runtime prepares a function at its first call)."""
+        replica's first time stands until its second replaces it: its step
+        ran for the first time (the runtime prepares a function at its first
+        call), a time that errs long, where the patience is safe."""
         with tf.device(self.host):
             elapsed = tf.timestamp() - tf.cast(read_time, tf.float64)
             index = tf.cast(replica_id, tf.int64)
             cell = tf.reshape(index, [1, 1])
             before = tf.gather(self.shard_seconds.read_value(), index)
             seen = tf.gather(self.timed_pushes.read_value(), index)
-            after = tf.where(
-                before > 0,
-                before + SHARD_TIME_WEIGHT * (elapsed - before),
-                tf.where(seen > 0, elapsed, tf.constant(0.0, tf.float64)),
-            )
+            after = tf.where(seen > 1, before + SHARD_TIME_WEIGHT * (elapsed - before), elapsed)
             with tf.control_dependencies([before, seen]):
                 return tf.group(
                     self.shard_seconds.scatter_nd_update(cell, tf.reshape(after, [1])),
