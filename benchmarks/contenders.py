@@ -54,9 +54,7 @@ CONTENDERS = {
         # of the current parameters, replicas in step, a window closed short
         # ("close", backup replicas) or filled ("fill") past its patience.
         Contender("tf_diffmap_fresh", "tf_diffmap, fresh windows", asynchronous=True),
-        Contender(
-            "tf_diffmap_fresh_fill", "tf_diffmap, fresh windows filled", asynchronous=True
-        ),
+        Contender("tf_diffmap_fresh_fill", "tf_diffmap, fresh windows filled", asynchronous=True),
         Contender(
             "tf_diffmap_own_devices",
             "tf_diffmap, each replica's ops on its own device",

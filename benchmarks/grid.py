@@ -195,6 +195,29 @@ def draw_conditions(count: int = CONDITION_COUNT, seed: int = SEED) -> list[dict
     return conditions
 
 
+# A second held-out set, drawn once the first had been seen (2026-12-06),
+# with its own seed fixed before any of its runs: 32 conditions from the
+# same dimensions, none of them one of the first draw's. Its ids start at
+# 1000, so that its runs never share a key with the first draw's.
+NEW_HELD_OUT_SEED = 20261206
+NEW_HELD_OUT_COUNT = 32
+
+
+def draw_new_held_out() -> list[dict[str, Any]]:
+    """The second held-out set (see `NEW_HELD_OUT_SEED`)."""
+    first = {
+        json.dumps({k: v for k, v in c.items() if k != "id"}, sort_keys=True)
+        for c in draw_conditions()
+    }
+    drawn = draw_conditions(NEW_HELD_OUT_COUNT + len(first), NEW_HELD_OUT_SEED)
+    fresh = [
+        c
+        for c in drawn
+        if json.dumps({k: v for k, v in c.items() if k != "id"}, sort_keys=True) not in first
+    ][:NEW_HELD_OUT_COUNT]
+    return [dict(c, id=1000 + i) for i, c in enumerate(fresh)]
+
+
 def split_conditions(conditions: Sequence[dict], seed: int = SEED) -> tuple[list, list]:
     """The tuning half and the held-out half, each covering the dimensions
     alike: in a shuffled order, each condition goes to the half where its
@@ -490,9 +513,9 @@ def learning_rate(condition: dict) -> float:
 
 
 def plan_runs(part: str, variants: Sequence[str] | None = None, seeds=SEEDS) -> list[dict]:
-    """Every run of the part ("tune", "held_out" or "all")."""
+    """Every run of the part ("tune", "held_out", "new_held_out" or "all")."""
     tune, held_out = split_conditions(draw_conditions())
-    halves = {"tune": tune, "held_out": held_out}
+    halves = {"tune": tune, "held_out": held_out, "new_held_out": draw_new_held_out()}
     parts = ("tune", "held_out") if part == "all" else (part,)
     runs, seen = [], set()
     for half in parts:
@@ -821,7 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/grid"))
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--part", choices=("tune", "held_out", "all"), default="all")
+    parser.add_argument(
+        "--part", choices=("tune", "held_out", "new_held_out", "all"), default="all"
+    )
     parser.add_argument("--variants", nargs="*", help="only these variants")
     parser.add_argument(
         "--seeds", nargs="*", type=int, default=list(SEEDS), help="only these seeds"

@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base = sorted(one)[len(one) // 2]
     print(f"\none replica: {base:.0f} examples/s (median of {len(one)})")
-    print("| replicas | variant | examples/s | of N x one | mean staleness | closed short | jitter |")
+    print(
+        "| replicas | variant | examples/s | of N x one | mean staleness | closed short | jitter |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (name, replicas), rows in results.items():
         rates = sorted(r["examples_per_second"] for r in rows)
