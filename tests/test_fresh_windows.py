@@ -130,3 +130,27 @@ def test_fresh_windows_refuse_what_contradicts_them():
         tf_diffmap.Strategy(max_step_staleness=0, patience_margin=-1)
     with pytest.raises(ValueError, match="max_staleness=2 bounds"):
         tf_diffmap.Strategy(max_step_staleness=0, max_staleness=2)
+
+
+def test_the_windows_figures_reach_tensorboard(tmp_path):
+    """Each epoch's end writes the windows' figures beside the staleness."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = classification_data(256, seed=14)
+    strategy = tf_diffmap.Strategy(max_step_staleness=0)
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, keras.optimizers.SGD(0.05))
+    callback = tf_diffmap.StalenessTensorBoard(tmp_path)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[callback])
+    events = EventAccumulator(callback.run_dir)
+    events.Reload()
+    tags = events.Tags()["tensors"]
+    for tag in ("windows/closed_short", "windows/examples_per_step", "windows/patience_ms"):
+        assert tag in tags, tags
+    assert "windows/seconds_waiting/replica_3" in tags
+    per_step = [
+        tf.make_ndarray(e.tensor_proto) for e in events.Tensors("windows/examples_per_step")
+    ]
+    windows = strategy.window_statistics()
+    assert len(per_step) == 2 and float(per_step[-1]) == pytest.approx(windows.examples_per_step)

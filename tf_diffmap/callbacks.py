@@ -25,6 +25,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
+from tf_diffmap.store.gate import WindowStats
 from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
 from tf_diffmap.tensorboard_plugin import metadata
@@ -275,6 +276,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             None if update_freq == "epoch" else 1 if update_freq == "batch" else update_freq
         )
         self._writer: StalenessSummaryWriter | None = None
+        self._window_writer = None  # the windows' scalars (`_write_windows`)
         self._points = _Background("tf_diffmap-staleness-points")
         self._point_error: BaseException | None = None
         self._totals = None
@@ -395,6 +397,9 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._step_totals = self._writer.step_totals
         self._writer.close()
         self._writer = None
+        if self._window_writer is not None:
+            self._window_writer.close()
+            self._window_writer = None
         self._training = False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -417,7 +422,35 @@ class StalenessTensorBoard(keras.callbacks.Callback):
             # whatever the model's metrics are.
             strategy.drain()
             self._write(epoch if self._every is None else self._batches, strategy.statistics())
+        self._write_windows(epoch, strategy.window_statistics())
         self._writer.flush()
+
+    def _write_windows(self, epoch: int, windows: WindowStats | None) -> None:
+        """At an epoch's end, what the optimizer's windows did, as scalars
+        of the run (TensorBoard's Scalars dashboard, tags `windows/...`):
+        windows closed short and filled, examples per step and skipped, the
+        patience, and each replica's time waiting (all since the fit began
+        or the statistics were reset)."""
+        if windows is None:
+            return
+        import tensorflow as tf
+
+        if self._window_writer is None:
+            self._window_writer = tf.summary.create_file_writer(self.run_dir)
+        figures = {
+            "windows/closed_short": windows.closed_short,
+            "windows/filled": windows.fills,
+            "windows/examples_per_step": windows.examples_per_step,
+            "windows/examples_skipped": windows.skipped,
+        }
+        if windows.patience is not None:
+            figures["windows/patience_ms"] = windows.patience * 1e3
+        for replica, seconds in enumerate(windows.seconds_waiting):
+            figures[f"windows/seconds_waiting/replica_{replica}"] = float(seconds)
+        with self._window_writer.as_default():
+            for tag, value in figures.items():
+                tf.summary.scalar(tag, float(value), step=epoch)
+        self._window_writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
         if self._every is None or self._writer is None:

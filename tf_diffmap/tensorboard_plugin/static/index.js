@@ -387,8 +387,10 @@ class StalenessApp {
         unitLabel,
       );
       const where = `replica ${shown.maxima.indexOf(shown.largest)}`;
+      // The distribution's largest: dropped gradients included, where
+      // strategy.statistics() prints the largest of the applied ones.
       card(
-        "Largest staleness",
+        "Largest staleness (dropped included)",
         bounded(shown.largest),
         beside ? `${where} · ${bounded(beside.largest)} ${UNITS[other].label}` : where,
         false,
