@@ -31,6 +31,7 @@ EXAMPLES = {
     "tf_diffmap.RowPartitioner": 4,
     "tf_diffmap.staleness_bound": 3,
     "tf_diffmap.StalenessStats": 5,
+    "tf_diffmap.WindowStats": 3,
     "tf_diffmap.StalenessTensorBoard": 8,
     "tf_diffmap.split_devices": 2,
     "tf_diffmap.default_replica_devices": 3,

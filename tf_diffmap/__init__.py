@@ -27,6 +27,7 @@ if importlib.util.find_spec("tensorflow") is None:
 from tf_diffmap import testing
 from tf_diffmap.callbacks import StalenessTensorBoard
 from tf_diffmap.devices import default_replica_devices, split_devices
+from tf_diffmap.store.gate import WindowStats
 from tf_diffmap.store.partitioned import RowPartitioner
 from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
@@ -41,6 +42,7 @@ __all__ = [
     "RowPartitioner",
     "staleness_bound",
     "StalenessStats",
+    "WindowStats",
     "StalenessTensorBoard",
     "split_devices",
     "default_replica_devices",

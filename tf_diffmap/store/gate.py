@@ -322,6 +322,26 @@ class WindowStats:
         longest_wait: per replica, its longest single wait.
         patience: the patience the timer used for its latest window, in
             seconds (None: no timer, or no window timed yet).
+
+    Examples:
+        >>> import numpy as np, tf_diffmap
+        >>> stats = tf_diffmap.WindowStats(
+        ...     windows=4,
+        ...     closed_short=1,
+        ...     fills=0,
+        ...     examples=120.0,
+        ...     skipped=8.0,
+        ...     shard_seconds=np.array([0.002, 0.003]),
+        ...     seconds_waiting=np.array([0.01, 0.0]),
+        ...     longest_wait=np.array([0.004, 0.0]),
+        ...     patience=0.005,
+        ... )
+        >>> stats.examples_per_step
+        30.0
+        >>> print(stats)
+        4 windows, 30.0 examples each; 1 closed short, 0 filled, patience 5.0 ms; 8 examples skipped
+          replica 0: shard 2.0 ms, waited 0.01 s (longest 4.0 ms)
+          replica 1: shard 3.0 ms, waited 0.00 s (longest 0.0 ms)
     """
 
     windows: int
