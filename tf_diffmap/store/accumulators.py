@@ -401,7 +401,7 @@ class Accumulators:
                     ok,
                     tf.where(
                         target > 0,
-                        total >= tf.cast(target, tf.float32),
+                        total >= self._full_examples(target),
                         pending >= self.gradients_per_step,
                     ),
                 )
@@ -455,7 +455,7 @@ class Accumulators:
             with tf.device(self.host):
                 pending = self.pending.read_value()
                 total = self.weight.read_value()
-                target = tf.cast(gate.target.read_value(), tf.float32)
+                target = self._full_examples(gate.target.read_value())
                 now = gate.windows.read_value()
                 is_open = tf.logical_and(tf.equal(now, number), pending > 0)
                 blocked = gate.blocked.read_value()
@@ -485,6 +485,13 @@ class Accumulators:
             return window, counted
 
         return self._locked_window(section)
+
+    def _full_examples(self, target: tf.Tensor) -> tf.Tensor:
+        """The examples of a full fresh window: K shards' worth of a batch
+        of `target` examples cut over the gate's replicas (a batch, with K
+        one per replica)."""
+        scale = self.gradients_per_step / self.gate.replicas
+        return tf.cast(target, tf.float32) * tf.constant(scale, tf.float32)
 
     def _locked_window(self, section) -> Window:
         def flat_section():
