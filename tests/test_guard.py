@@ -26,7 +26,9 @@ def test_noise_near_a_loss_of_zero_is_not_a_collapse_but_a_climb_back_is():
     # (its total and count read between another step's two updates): a
     # collapse shows in the next reading too.
     assert collapse.observe(1.9) is None
+    assert collapse.observe(1.9) is None
     assert collapse.observe(0.005) is None
+    assert collapse.observe(1.6) is None
     assert collapse.observe(1.6) is None
     what = collapse.observe(1.7)
     assert what == (
@@ -45,7 +47,7 @@ def test_a_reading_of_zero_is_a_step_not_written_yet_and_is_skipped():
     collapse = Collapse(rise_of_start=0.25, min_readings=3)
     # Read as a loss, the 0 would be the lowest and the level at the start
     # would lose one of its readings.
-    for loss in (0.0, 2.3, 1.0, 0.5, 1.2):
+    for loss in (0.0, 2.3, 1.0, 0.5, 1.2, 1.2):
         assert collapse.observe(loss) is None
     assert collapse.observe(1.2) == (
         "the loss rose to 1.2 from its lowest, 0.5, by 30% of its level at the start, 2.3"
