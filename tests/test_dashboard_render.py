@@ -28,16 +28,14 @@ import pytest
 
 from tests.test_tensorboard_plugin import (
     REPLICAS,
-    TENSORBOARD_GROUP,
     TensorBoardServer,
     shared_tensorboard,
     train_logs,
 )
 from tf_diffmap.tensorboard_plugin import metadata
 
-# Chromium in a subprocess, against the TensorBoard server of
-# `test_tensorboard_plugin`'s slow tests, in their xdist worker.
-pytestmark = [pytest.mark.slow, TENSORBOARD_GROUP]
+# Chromium in a subprocess, against a TensorBoard server.
+pytestmark = pytest.mark.slow
 
 CHROMIUM_SECONDS = 120
 WINDOW = (1400, 1000)

@@ -280,13 +280,8 @@ def shared_tensorboard(request, tmp_path_factory) -> tuple[TrainedRun, TensorBoa
 
 
 # Marks a test that starts TensorBoard: slow, as every test that starts a
-# process, and in the xdist group that runs every such test (of this module
-# and of `test_dashboard_render.py`) in one worker, which trains and serves once.
-TENSORBOARD_GROUP = pytest.mark.xdist_group("tensorboard")
-
-
-def in_tensorboard(test):
-    return pytest.mark.slow(TENSORBOARD_GROUP(test))
+# process (each xdist worker that runs one trains and serves once).
+in_tensorboard = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

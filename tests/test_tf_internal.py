@@ -290,10 +290,6 @@ def _api_flow(strategy, kernel, run, seen):
     run("TensorFlow's Keras 2", keras_2)
 
 
-# The tests that read `routes`, in one xdist worker, which runs the flows once.
-ROUTES_GROUP = pytest.mark.xdist_group("tf_internal_routes")
-
-
 @pytest.fixture(scope="module")
 def routes():
     """Runs every flow once with a recorder around each hook.
@@ -340,7 +336,6 @@ def routes():
     return calls, seen, errors
 
 
-@ROUTES_GROUP
 @pytest.mark.parametrize("hook", sorted(ROUTES))
 def test_tensorflow_routes_through_the_hook(routes, hook):
     calls, _, errors = routes
@@ -355,7 +350,6 @@ def test_tensorflow_routes_through_the_hook(routes, hook):
     )
 
 
-@ROUTES_GROUP
 def test_the_flows_see_what_the_hooks_return(routes):
     _, seen, errors = routes
     assert not errors, errors
@@ -377,7 +371,6 @@ def test_the_flows_see_what_the_hooks_return(routes):
     assert seen["global batch"] is True
 
 
-@ROUTES_GROUP
 def test_keras_says_which_of_fit_evaluate_and_predict_asks_for_a_dataset(routes):
     """`for_keras_inference` (a walk up Keras' stack) tells `fit`'s training
     data from its validation data and from `evaluate`'s and `predict`'s."""
@@ -392,7 +385,6 @@ def test_keras_says_which_of_fit_evaluate_and_predict_asks_for_a_dataset(routes)
     assert _tf_internal.for_keras_inference() is False
 
 
-@ROUTES_GROUP
 def test_keras_hands_each_update_to_the_strategy_as_its_optimizer_s_function(routes):
     _, seen, _ = routes
     owners = seen["update owners"] - {None}
