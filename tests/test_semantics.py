@@ -228,12 +228,14 @@ IDLE_RACE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_steps_that_meet_an_idle_stop_are_applied_and_never_block():
     """The loops stop by themselves when idle, while Keras may be putting a
     step's shards: none may be left in the queue with no loop to take it (the
     steps after it would block once it is full), and none may be lost.
 
-    In a subprocess, so that a hang ends with its timeout (which kills it).
+    In a subprocess, so that a hang ends with its timeout (which kills it);
+    slow, as every test that starts a process.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     result = subprocess.run(

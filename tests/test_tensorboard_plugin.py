@@ -2,7 +2,8 @@
 
 One training run and one TensorBoard server serve this module and
 `test_dashboard_render.py` (`shared_tensorboard`); the server is stopped when
-the test session ends, whatever happens.
+the test session ends, whatever happens. The tests that start the server are
+slow tests (`in_tensorboard`); the rest read the plugin in this process.
 """
 
 from __future__ import annotations
@@ -276,6 +277,11 @@ def shared_tensorboard(request, tmp_path_factory) -> tuple[TrainedRun, TensorBoa
         server.wait_for_data(metadata.RUN_NAME, trained.steps[-1])
         shared = request.session._tf_diffmap_staleness_tensorboard = (trained, server)
     return shared
+
+
+# Marks a test that starts TensorBoard: slow, as every test that starts a
+# process (each xdist worker that runs one trains and serves once).
+in_tensorboard = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -607,6 +613,7 @@ def test_lost_replicas_are_a_series_of_their_own(tmp_path):
 # -- the HTTP API ---------------------------------------------------------------
 
 
+@in_tensorboard
 def test_tab_is_listed_and_enabled(served):
     _, server = served
     listing = server.get_json("data/plugins_listing")["staleness"]
@@ -618,6 +625,7 @@ def test_tab_is_listed_and_enabled(served):
     }
 
 
+@in_tensorboard
 def test_scalar_tags_per_replica_beside_keras(served):
     trained, server = served
     tags = server.get_json("data/plugin/scalars/tags")
@@ -640,6 +648,7 @@ def test_scalar_tags_per_replica_beside_keras(served):
     assert metadata.tag(metadata.DISTRIBUTION, None) in histograms
 
 
+@in_tensorboard
 def test_custom_scalars_layout_puts_replicas_in_one_chart(served):
     _, server = served
     layout = server.get_json("data/plugin/custom_scalars/layout")
@@ -658,6 +667,7 @@ def test_custom_scalars_layout_puts_replicas_in_one_chart(served):
     )
 
 
+@in_tensorboard
 def test_runs_and_series_match_the_strategy(served):
     trained, server = served
     runs = {r["run"]: r for r in server.get_json("data/plugin/staleness/runs")["runs"]}
@@ -706,6 +716,7 @@ def test_runs_and_series_match_the_strategy(served):
     assert one["optimizer_steps"] == [] and metadata.STEP_MEAN not in one["series"]
 
 
+@in_tensorboard
 def test_heatmap_holds_every_staleness_count(served):
     trained, server = served
     heat = server.get_json(f"data/plugin/staleness/heatmap?run={metadata.RUN_NAME}&replica=all")
@@ -731,6 +742,7 @@ def test_heatmap_holds_every_staleness_count(served):
     np.testing.assert_array_equal(total, trained.statistics.step_histogram.sum(axis=0))
 
 
+@in_tensorboard
 @pytest.mark.parametrize(
     "query, status, message",
     [
@@ -748,6 +760,7 @@ def test_bad_queries_say_what_was_wrong(served, query, status, message):
     assert headers["X-Content-Type-Options"] == "nosniff"
 
 
+@in_tensorboard
 @pytest.mark.parametrize(
     "route, content_type",
     [
@@ -779,6 +792,7 @@ def test_frontend_loads_nothing_from_the_network():
         assert "@import" not in text and "cdn" not in text.lower(), name
 
 
+@in_tensorboard
 def test_a_server_that_does_not_start_in_time_is_stopped(tmp_path, monkeypatch):
     started = []
     popen = subprocess.Popen
