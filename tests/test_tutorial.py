@@ -209,9 +209,14 @@ def test_tutorial_training_loop_checkpoint_and_restore_without_strategy(digits, 
     checkpoint.restore(tf.train.latest_checkpoint(tmp_path)).expect_partial()
     for images, labels in test_dataset:
         eval_step(images, labels)
-    assert float(eval_accuracy.result()) == test_accuracy
+    # What was saved is what was trained and tested, bit for bit.
     for restored, trained in zip(new_model.get_weights(), tutorial.model.get_weights()):
         np.testing.assert_array_equal(restored, trained)
+    # The same weights in another graph (plain Keras' step, not the replica
+    # step's) can round a borderline logit the other way: one example of 360
+    # was seen to differ once in about 15 runs (0.8361 against 0.8333), when
+    # this check came before the weights'.
+    assert abs(float(eval_accuracy.result()) - test_accuracy) <= 1.5 / len(test_images)
 
 
 def test_tutorial_iter_next(digits):

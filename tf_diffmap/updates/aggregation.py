@@ -4,8 +4,8 @@ Where the strategy aggregates (`Strategy(gradients_per_step=...)`, by
 default K = the number of replicas, the shards of one batch), a replica's
 call of its optimizer's `apply` does not update the variables: it pushes
 the shard's gradient to the store (`tf_diffmap.store.accumulators`), and the push
-that completes a window of K applies the window's mean, weighted by the
-shards' examples, as **one step of the optimizer, with its own
+that completes a window of K applies the window's gradient (its accepted
+gradients summed, scaled to K of them) as **one step of the optimizer, with its own
 hyperparameters**: its learning rate and schedule, momentum, moments, weight
 decay, clipping and `iterations` see one step per K shards, as in
 synchronous training on the whole batch. No replica waits for another: the
@@ -23,7 +23,10 @@ steps applied, decided under the accumulators' mutex; a gradient that did
 not takes no slot (it is dropped and counted, its examples counted as
 skipped); a window is full once its accepted examples make a global batch,
 and its step is the optimizer's step on their examples-weighted mean, the
-step of synchronous training. A replica that pushed into an open window
+step of synchronous training. (The weighting reads each replica's gradient
+as its shard's mean over N, as Keras' compiled losses make it; a custom
+loop that scales its loss by the global batch gets the same step wherever
+a window's shards are of one size.) A replica that pushed into an open window
 waits for it to close before it takes another shard, so that replicas that
 keep pace stay in step, and the window timer (`tf_diffmap.engine.windows`)
 closes short or fills a window that waits on a slow replica past its
@@ -210,8 +213,12 @@ class Aggregation:
                     claim.step_staleness <= tf.constant(self.max_step_staleness, tf.int64),
                 )
             state.record(claim, accepted, None)
+            # Asynchronous windows weight each accepted push alike: a full
+            # window's step is the sum of its K gradients, tf.distribute's
+            # contract (a custom loop's loss scaled by the global batch sums
+            # to the batch's mean, a partial last batch included).
             with tf.control_dependencies([claim.staleness]):
-                window = self.accumulators.push(grads, accepted, state.examples)
+                window = self.accumulators.push(grads, accepted)
         state.pushed = True
         self._step_if_taken(window)
 
