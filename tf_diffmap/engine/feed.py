@@ -28,9 +28,10 @@ from tf_diffmap.engine.loops import (
     loop_function,
 )
 from tf_diffmap.engine.outputs import mark_one_replica
-from tf_diffmap.engine.replica_step import ReplicaStep, batch_size, in_clean_thread
+from tf_diffmap.engine.replica_step import ReplicaStep, batch_size
 from tf_diffmap.engine.runtime import Runtime
 from tf_diffmap.engine.shards import split_in_graph, stack_in_graph, stackable
+from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.engine.workers import ReplicaLoops, ReplicaState
 
 __all__ = ["StepFeed"]

@@ -18,12 +18,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from tf_diffmap.engine.replica_state import GONE, ReplicaState
-
-if TYPE_CHECKING:
-    from tf_diffmap.engine.workers import LoopRunner
+from tf_diffmap.engine.replica_state import GONE, LoopRunner, ReplicaState
 
 __all__ = ["HangHandler", "HungCalls"]
 

@@ -9,8 +9,10 @@ are the states in which a replica does not train.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["GONE", "MOVES", "ReplicaState"]
+__all__ = ["GONE", "MOVES", "LoopRunner", "ReplicaState"]
 
 
 class ReplicaState(enum.Enum):
@@ -80,3 +82,34 @@ GONE = (
     ReplicaState.JOINING,
     ReplicaState.LEAVING,
 )
+
+
+class LoopRunner(Protocol):
+    """What `ReplicaLoops` drives: a training step's queue and loops (`feed.StepFeed`)."""
+
+    def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """Applies up to `max_steps` queued shards; returns (taken, stopped)."""
+
+    def pending(self) -> int:
+        """Shards queued or being applied."""
+
+    def progress(self) -> tuple[int, int]:
+        """Shards put and shards done so far (one consistent read)."""
+
+    def send_stops(self, count: int) -> None:
+        """Queues `count` STOP items (one ends one loop)."""
+
+    def drop_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
+        """Takes up to `max_steps` items and counts them dropped; (taken, stopped)."""
+
+    def release(self, replica_id: int, requeue: bool) -> bool:
+        """Lets go of the item a failed loop call held (queued again, or done)."""
+
+    def replica_steps(self) -> Sequence[int]:
+        """Steps each replica has completed (the store's own count)."""
+
+    def stamps(self) -> Sequence[int]:
+        """Per replica, a stamp of the shard its loop call holds (0: none)."""
+
+    def fence(self, replica_ids: Sequence[int], fenced: bool) -> None:
+        """Keeps replicas' loop calls from taking more (or lets them again)."""

@@ -13,9 +13,7 @@ other runs whole, synchronously, on the first replica's device.
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -23,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_diffmap import _tf_internal
+from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.updates.aggregation import (
     aggregating,
     innermost,
@@ -38,7 +37,6 @@ __all__ = [
     "ReplicaStep",
     "batch_size",
     "eager_py_functions",
-    "in_clean_thread",
     "is_tensor",
     "run_eagerly",
     "signature_of",
@@ -63,28 +61,6 @@ def inspect_target(fn):
 
 def is_tensor(value) -> bool:
     return isinstance(value, (tf.Tensor, np.ndarray)) or tf.is_tensor(value)
-
-
-def in_clean_thread(fn: Callable[[], Any], name: str = "tf_diffmap-trace") -> Any:
-    """Runs `fn` in a new thread, outside the caller's graph and scopes.
-
-    Returns:
-        What `fn` returned; what it raised is raised here.
-    """
-    result: dict[str, Any] = {}
-
-    def run():
-        try:
-            result["value"] = fn()
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            result["error"] = error
-
-    thread = threading.Thread(target=run, name=name)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def signature_of(args, kwargs) -> tuple:

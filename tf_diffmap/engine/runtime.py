@@ -24,8 +24,8 @@ import tensorflow as tf
 
 from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.engine.guard import CollapseGuard
-from tf_diffmap.engine.replica_step import in_clean_thread
 from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
+from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.engine.windows import LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import ReplicaState
 from tf_diffmap.store.gate import Gate

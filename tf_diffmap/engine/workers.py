@@ -32,10 +32,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Protocol
 
 from tf_diffmap.engine.hangs import HangHandler, HungCalls
-from tf_diffmap.engine.replica_state import GONE, MOVES, ReplicaState
+from tf_diffmap.engine.replica_state import GONE, MOVES, LoopRunner, ReplicaState
 
 __all__ = ["HangHandler", "LoopRunner", "ReplicaLoops", "ReplicaState", "WorkerError"]
 
@@ -48,37 +47,6 @@ IDLE_SECONDS = 1.0
 
 class WorkerError(RuntimeError):
     """A replica failed for a reason that is not an `Exception` of its own."""
-
-
-class LoopRunner(Protocol):
-    """What `ReplicaLoops` drives: a training step's queue and loops (`feed.StepFeed`)."""
-
-    def run_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
-        """Applies up to `max_steps` queued shards; returns (taken, stopped)."""
-
-    def pending(self) -> int:
-        """Shards queued or being applied."""
-
-    def progress(self) -> tuple[int, int]:
-        """Shards put and shards done so far (one consistent read)."""
-
-    def send_stops(self, count: int) -> None:
-        """Queues `count` STOP items (one ends one loop)."""
-
-    def drop_loop(self, replica_id: int, max_steps: int) -> tuple[int, bool]:
-        """Takes up to `max_steps` items and counts them dropped; (taken, stopped)."""
-
-    def release(self, replica_id: int, requeue: bool) -> bool:
-        """Lets go of the item a failed loop call held (queued again, or done)."""
-
-    def replica_steps(self) -> Sequence[int]:
-        """Steps each replica has completed (the store's own count)."""
-
-    def stamps(self) -> Sequence[int]:
-        """Per replica, a stamp of the shard its loop call holds (0: none)."""
-
-    def fence(self, replica_ids: Sequence[int], fenced: bool) -> None:
-        """Keeps replicas' loop calls from taking more (or lets them again)."""
 
 
 class ReplicaLoops(HungCalls):
