@@ -181,11 +181,16 @@ class StepFeed:
             self._loop_calls[replica] = (concrete, named)
             # A first call (of no steps) prepares the function for running
             # here, once, rather than in a replica's first loop call; not
-            # where no worker serves (lost, or a slot no worker holds yet).
+            # where no worker serves (lost, or a slot no worker holds yet),
+            # nor where a worker that is joining has no input yet (its
+            # iterator is made as it joins, after which its loop runs).
             if replica in runtime.absent_replicas():
                 continue
+            sources = self._sources(replica)
+            if any(source is None for source in sources):
+                continue
             if self.loops is None or self.loops.states()[replica] is not ReplicaState.LOST:
-                concrete(*named, tf.constant(0, tf.int32), *self._sources(replica))
+                concrete(*named, tf.constant(0, tf.int32), *sources)
 
     def follow_input(self) -> None:
         """Reads the latest distributed dataset's pipelines on the workers.
