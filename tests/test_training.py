@@ -95,7 +95,10 @@ def test_models_train_and_every_shard_is_applied(model_name, data):
     assert model.evaluate(x, y, batch_size=128, verbose=0)[0] < before
     assert strategy.version == expected_updates(len(x), BATCH, 4, EPOCHS)
     stats = strategy.statistics()
-    assert int(stats.updates.sum()) == strategy.version
+    # Every push is counted once: applied, or dropped by the step bound (a
+    # replica descheduled for a step on a busy host can miss its window).
+    assert int(stats.updates.sum() + stats.dropped.sum()) == strategy.version
+    assert int(stats.dropped.sum()) <= strategy.version // 20
     # One optimizer step per batch: a window of the batch's 4 shard gradients.
     assert int(model.optimizer.iterations.numpy()) == stats.steps
     assert stats.steps == expected_steps(len(x), BATCH, 4, EPOCHS)
