@@ -57,7 +57,10 @@ def test_one_window_is_one_step_of_mirrored_strategy(optimizer):
     mirrored = _fit_one_batch(
         tf.distribute.MirroredStrategy(devices), OPTIMIZERS[optimizer], x, y, weights
     )
-    strategy = tf_diffmap.Strategy()
+    # A patience no replica reaches: the window is checked, not the timer
+    # (a shard of 8 examples takes a fraction of a millisecond, under a busy
+    # host's scheduling noise).
+    strategy = tf_diffmap.Strategy(patience_margin=1e4)
     assert strategy.gradients_per_step == REPLICAS
     ours = _fit_one_batch(strategy, OPTIMIZERS[optimizer], x, y, weights)
     for a, b in zip(ours.get_weights(), mirrored.get_weights()):
@@ -75,7 +78,8 @@ def test_one_window_matches_plain_keras_on_the_whole_batch(optimizer):
     x, y = classification_data(64, seed=4)
     weights = mlp().get_weights()
     plain = _fit_one_batch(None, OPTIMIZERS[optimizer], x, y, weights)
-    ours = _fit_one_batch(tf_diffmap.Strategy(), OPTIMIZERS[optimizer], x, y, weights)
+    strategy = tf_diffmap.Strategy(patience_margin=1e4)
+    ours = _fit_one_batch(strategy, OPTIMIZERS[optimizer], x, y, weights)
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
@@ -87,12 +91,12 @@ def _expected_steps(n, batch, replicas, epochs, k):
 
 
 @pytest.mark.parametrize("k", ["auto", 3, 1])
-def test_versions_steps_and_counts_add_up(k):
-    """Every push claims a version; every window of K is one step of the
-    optimizer (`iterations`); what is left at an epoch's end is applied
-    there; nothing is pending after `fit`."""
+def test_asynchronous_windows_versions_steps_and_counts_add_up(k):
+    """Asynchronous windows (a bound of 1): every push claims a version;
+    every window of K is one step of the optimizer (`iterations`); what is
+    left at an epoch's end is applied there; nothing is pending after `fit`."""
     x, y = classification_data(250)
-    strategy = tf_diffmap.Strategy(gradients_per_step=k)
+    strategy = tf_diffmap.Strategy(gradients_per_step=k, max_step_staleness=1)
     with strategy.scope():
         model = mlp()
         compile_logits(model, keras.optimizers.Adam(3e-3))
@@ -109,6 +113,31 @@ def test_versions_steps_and_counts_add_up(k):
         assert stats.steps == steps == int(model.optimizer.iterations.numpy())
         assert [a.pending() for a in strategy.extended.runtime.aggregations()] == [0]
     assert int(stats.examples.sum()) == 3 * len(x)
+
+
+@pytest.mark.parametrize("k", ["auto", 3])
+def test_fresh_windows_versions_steps_and_examples_add_up(k):
+    """Fresh windows (the default): every push claims a version, applied or
+    dropped; every window is one step; every example is trained on or
+    counted as skipped; a window is at most a global batch's share of K
+    (K = 3 of 4 replicas: the fourth shard of a batch arrives stale)."""
+    x, y = classification_data(250)
+    strategy = tf_diffmap.Strategy(gradients_per_step=k)
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, keras.optimizers.Adam(3e-3))
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    _, pushes = _expected_steps(len(x), 32, REPLICAS, 3, 1)
+    stats = strategy.statistics()
+    windows = strategy.window_statistics()
+    # Every shard is pushed once (a fill's replicas take the next shards).
+    assert strategy.version == pushes == int(stats.updates.sum() + stats.dropped.sum())
+    assert stats.steps == windows.windows == int(model.optimizer.iterations.numpy())
+    assert [a.pending() for a in strategy.extended.runtime.aggregations()] == [0]
+    assert int(stats.examples.sum()) == 3 * len(x) == windows.examples + windows.skipped
+    assert stats.overall_max_step_staleness == 0
+    per_step = REPLICAS if k == "auto" else k
+    assert windows.examples_per_step <= 32 * per_step / REPLICAS + 8
 
 
 def test_one_replica_applies_every_batch_as_a_step():
@@ -233,7 +262,8 @@ def test_sparse_windows_match_dense_ones_on_the_touched_rows(optimizer):
             model.set_weights(weights)
             compile_logits(model, make[optimizer]())
         else:
-            strategy = tf_diffmap.Strategy()
+            # A patience no replica reaches: the windows are checked, not the timer.
+            strategy = tf_diffmap.Strategy(patience_margin=1e4)
             with strategy.scope():
                 model = _embedding_model()
                 model.set_weights(weights)
@@ -258,7 +288,7 @@ def test_sparse_windows_match_dense_ones_on_the_touched_rows(optimizer):
 
 def test_a_partial_window_is_applied_at_the_drain():
     x, y = classification_data(32)
-    strategy = tf_diffmap.Strategy(gradients_per_step=3)
+    strategy = tf_diffmap.Strategy(gradients_per_step=3, max_step_staleness=1)
     with strategy.scope():
         model = mlp()
         compile_logits(model, keras.optimizers.SGD(0.1))
@@ -298,7 +328,8 @@ def test_auto_rule_is_the_plain_step_under_aggregation_and_drop_counts():
 
 def test_a_custom_loop_optimizer_named_by_the_step_aggregates():
     """A custom training loop's step names its optimizer as a free variable."""
-    strategy = tf_diffmap.Strategy()
+    strategy = tf_diffmap.Strategy(patience_margin=1e4)  # one window per batch
+
     x, y = classification_data(128)
     with strategy.scope():
         model = mlp()

@@ -75,10 +75,19 @@ def expected_updates(n, batch, replicas, epochs):
     return epochs * sum(per_batch)
 
 
-def expected_steps(n, batch, replicas, epochs):
-    """Optimizer steps under the default aggregation: a window of one push
-    per replica, and what is left at an epoch's end applied there."""
-    return epochs * -(-expected_updates(n, batch, replicas, 1) // replicas)
+def assert_windows_add_up(strategy, model, n, batch, epochs):
+    """The default's fresh windows: every window is one step of the
+    optimizer; every example is trained on or counted as skipped (a shard
+    that came after its window was taken, from a replica descheduled on a
+    busy host); a window holds about a batch."""
+    stats = strategy.statistics()
+    windows = strategy.window_statistics()
+    assert int(model.optimizer.iterations.numpy()) == stats.steps == windows.windows
+    assert windows.examples + windows.skipped == epochs * n
+    # A window closes once it holds a batch: by less than a shard more.
+    assert windows.examples_per_step < batch + -(-batch // 4)
+    assert windows.windows > 0
+    assert stats.overall_max_step_staleness == 0
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -99,9 +108,7 @@ def test_models_train_and_every_shard_is_applied(model_name, data):
     # replica descheduled for a step on a busy host can miss its window).
     assert int(stats.updates.sum() + stats.dropped.sum()) == strategy.version
     assert int(stats.dropped.sum()) <= strategy.version // 20
-    # One optimizer step per batch: a window of the batch's 4 shard gradients.
-    assert int(model.optimizer.iterations.numpy()) == stats.steps
-    assert stats.steps == expected_steps(len(x), BATCH, 4, EPOCHS)
+    assert_windows_add_up(strategy, model, len(x), BATCH, EPOCHS)
 
 
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
@@ -380,10 +387,10 @@ def test_replica_loops_apply_exactly_one_update_per_shard(
     model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     updates = expected_updates(n, batch, 4, 2)
     stats = strategy.statistics()
-    # Every shard claimed one version: its gradient accepted, or dropped by
-    # the default bound on the staleness in optimizer steps.
+    # Every shard claimed one version: its gradient accepted, or dropped
+    # (it came after its window was taken).
     assert strategy.version == updates == int(stats.updates.sum() + stats.dropped.sum())
-    assert int(model.optimizer.iterations.numpy()) == stats.steps == expected_steps(n, batch, 4, 2)
+    assert_windows_add_up(strategy, model, n, batch, 2)
     assert sum(strategy.replica_steps()) == updates
     assert int(stats.examples.sum()) == 2 * n  # every example, once per epoch
     assert strategy.extended.runtime.in_flight() == 0

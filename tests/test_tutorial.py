@@ -172,8 +172,13 @@ def test_tutorial_training_loop_checkpoint_and_restore_without_strategy(digits, 
         assert int(tutorial.test_accuracy.count) == len(test_images)
         assert int(tutorial.test_loss.count) == len(test_images)
         assert strategy.version == (epoch + 1) * per_epoch
-        # One optimizer step per batch: the window of its 4 shard gradients.
-        assert int(tutorial.optimizer.iterations) == (epoch + 1) * num_batches
+        # One optimizer step per window of fresh shard gradients, a global
+        # batch's worth: one per batch where replicas keep pace; a late
+        # shard is dropped, its examples counted as skipped.
+        windows = strategy.window_statistics()
+        assert int(tutorial.optimizer.iterations) == windows.windows
+        assert windows.examples + windows.skipped == (epoch + 1) * len(train_images)
+        assert windows.examples_per_step < global_batch_size + BATCH_SIZE_PER_REPLICA
         # The printed loss is the mean loss of the epoch's recent shards, on
         # the scale of a global batch's mean loss: near the training set's
         # loss before and after the epoch. A loss summed or averaged wrongly

@@ -58,7 +58,7 @@ from tf_diffmap.updates.step import current_step
 
 __all__ = ["MAX_STEP_STALENESS", "Strategy", "current_step"]
 
-MAX_STEP_STALENESS: int | None = 1
+MAX_STEP_STALENESS: int | None = 0
 """The default of `Strategy(max_step_staleness=...)`: a gradient computed
 more than one optimizer step before the step that would use it is dropped.
 

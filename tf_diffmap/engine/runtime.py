@@ -337,8 +337,9 @@ class Runtime:
                 "best on tf_diffmap's grid of conditions): at this one the optimizer may run "
                 "near its stability limit even in synchronous training"
                 + (
-                    "; and drop stale gradients with Strategy(max_step_staleness=1), the default."
-                    if bound is None or bound > 1
+                    "; and take steps of fresh gradients only with "
+                    "Strategy(max_step_staleness=0), the default."
+                    if bound is None or bound > 0
                     else "."
                 )
             )
