@@ -285,6 +285,10 @@ class Runtime:
             options["colocate_cpu_replicas"] = False
         if self.name == "tf_diffmap_per_shard":
             options["gradients_per_step"] = 1
+        if self.name == "tf_diffmap_bounded":
+            # The bound applies to asynchronous windows: fresh ones keep
+            # replicas in step already.
+            options["max_step_staleness"] = 1
         if self.name.startswith("tf_diffmap_fresh"):
             options["max_step_staleness"] = 0
             options["late_window"] = "fill" if self.name.endswith("_fill") else "close"

@@ -169,9 +169,12 @@ TUNING_VARIANTS = (
 
 def default_variant() -> str:
     """The tuning candidate that `tf_diffmap.Strategy()` is now."""
+    from tf_diffmap.engine.windows import LATE_WINDOW
     from tf_diffmap.strategy import MAX_STEP_STALENESS
 
     bound = MAX_STEP_STALENESS
+    if bound == 0:
+        return f"fresh_{LATE_WINDOW}"
     return "agg_unbounded" if bound is None else f"agg_bound_{bound}"
 
 
@@ -703,6 +706,56 @@ def judge(rows: list[dict], variant: str) -> dict[str, Any]:
     }
 
 
+def compare(out: Path, part: str, variants: Sequence[str], seeds: Sequence[int]) -> str:
+    """Variants judged against synchronous training on one set of
+    conditions ("tune", "held_out" or "new_held_out"), over these seeds
+    only: each side's median over the seeds it ran, as `table` takes it."""
+    tune, held_out = split_conditions(draw_conditions())
+    conditions = {"tune": tune, "held_out": held_out, "new_held_out": draw_new_held_out()}[part]
+    wanted = set(seeds)
+    sync: dict[tuple, list] = {}
+    other: dict[tuple, list] = {}
+    for e in load_runs(out):
+        if e["seed"] not in wanted:
+            continue
+        if e["variant"] == "sync":
+            sync.setdefault(_sync_key(e["condition"]), []).append(e["accuracy"])
+        else:
+            other.setdefault((e["condition"]["id"], e["variant"]), []).append(e["accuracy"])
+    rows = []
+    for c in conditions:
+        found = {"sync": sync.get(_sync_key(c), [])}
+        found.update({v: other.get((c["id"], v), []) for v in variants})
+        rows.append(
+            {
+                "variants": {
+                    v: {"median": statistics.median(runs), "runs": runs}
+                    for v, runs in found.items()
+                    if runs
+                }
+            }
+        )
+    lines = [
+        f"{part}, seeds {', '.join(map(str, sorted(wanted)))}:",
+        "| Variant | Conditions | Runs | Median gap to sync | Worst gap (sync >= 0.8) "
+        "| Runs < 0.5 (sync >= 0.8) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in variants:
+        j = judge(rows, v)
+        if not j["conditions"]:
+            lines.append(f"| {v} | 0 | 0 | | | |")
+            continue
+        worst = j["worst_gap_where_sync_reaches_0.8"]
+        runs = sum(len(r["variants"].get(v, {"runs": []})["runs"]) for r in rows)
+        lines.append(
+            f"| {v} | {j['conditions']} | {runs} | {100 * j['median_gap']:+.1f} pt | "
+            + (f"{100 * worst:+.1f} pt" if worst is not None else "n/a")
+            + f" | {j['runs_below_0.5_where_sync_reaches_0.8']} |"
+        )
+    return "\n".join(lines)
+
+
 def report(out: Path) -> str:
     data = table(out)
     rows = data["rows"]
@@ -863,6 +916,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.report_only:
         drive(plan_runs(args.part, args.variants, args.seeds), args.out, args.jobs)
+    if args.part != "all" and args.variants:
+        # One set, the variants asked for, the seeds asked for.
+        variants = [v for v in args.variants if v != "sync"]
+        print(compare(args.out, args.part, variants, args.seeds))
+        return 0
     print(report(args.out))
     return 0
 

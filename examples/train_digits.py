@@ -2,15 +2,18 @@
 
 The host CPU is split into logical devices, one per replica. Each replica
 computes the gradient of its own shard of every batch and pushes it to the
-parameter store without waiting for the others; the store applies each
-window of one gradient per replica as one step of the optimizer. At the end
-the script prints the validation accuracy, the wall time of `fit`, and the
-store's statistics: per replica, how many gradients it pushed (its work
-share) and how stale they were, in versions and in optimizer steps.
+parameter store; the store applies each window of fresh gradients (computed
+on the current parameters), one per replica, as one step of the optimizer,
+and a replica that pushed waits for its window to close before it takes its
+next shard. At the end the script prints the validation accuracy, the wall
+time of `fit`, the store's statistics (per replica, how many gradients it
+pushed, its work share, and how stale they were, in versions and in
+optimizer steps) and the windows' (steps, waits, examples skipped).
 
 With `--slow-replica-ms`, replica 0 sleeps during each of its training steps.
-The other replicas do not wait for it: they take more shards from the shared
-queue, which shows in the work shares. `--gradients-per-step 1` applies every
+The other replicas do not wait for it past a window's patience: they compute
+in its place and take more shards from the shared queue, which shows in the
+work shares, and its late gradients are dropped and counted. `--gradients-per-step 1` applies every
 shard's gradient as a step of its own, where `--staleness` picks a
 staleness-aware update rule of `tf_diffmap.AsyncOptimizer`; `--max-staleness`
 bounds how far the fast replicas may run ahead of the slow one.
@@ -91,9 +94,15 @@ def main() -> None:
     x_train, x_val, y_train, y_val = load_data()
 
     per_step = args.gradients_per_step
+    options = {}
+    if args.max_staleness is not None and per_step == "auto":
+        # Bounded staleness is of asynchronous windows: the default fresh
+        # windows keep replicas in step already.
+        options["max_step_staleness"] = 1
     strategy = tf_diffmap.Strategy(
         max_staleness=args.max_staleness,
         gradients_per_step=per_step if per_step == "auto" else int(per_step),
+        **options,
     )
     print(f"tf_diffmap {tf_diffmap.__version__}, TensorFlow {tf.__version__}: {strategy}")
     with strategy.scope():
@@ -132,6 +141,9 @@ def main() -> None:
     print(f"validation accuracy: {accuracy:.4f}")
     print(f"fit wall time: {seconds:.1f} s ({args.epochs} epochs)")
     print(strategy.statistics())
+    windows = strategy.window_statistics()
+    if windows is not None:
+        print(windows)
 
 
 if __name__ == "__main__":

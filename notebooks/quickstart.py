@@ -149,8 +149,9 @@ print(f"{len(x_train)} training and {len(x_val)} validation images")
 # device: here, the logical devices made above. As with any `tf.distribute`
 # strategy, create the model **and its optimizer** inside `strategy.scope()`.
 # Any Keras optimizer works, with the learning rate you would use for
-# synchronous training: the store aggregates one gradient per replica into each
-# of its steps (see the third notebook).
+# synchronous training: the store aggregates one fresh gradient per replica
+# (computed on the current parameters) into each of its steps (see the third
+# notebook).
 
 # %%
 import keras

@@ -256,12 +256,13 @@ history = model.fit(
 # | Dropped updates, learning-rate factor | few dropped, factor near 1 | many dropped (wasted work), or a factor near 0 (the updates barely count) |
 #
 # A straggler's gradients are few but stale. By default the store aggregates
-# one gradient per replica into each step of the optimizer and drops those
-# computed more than one step before their step, so the tab also shows the
-# staleness in optimizer steps (the unit switch) and the dropped gradients,
-# most of them the straggler's. If its gradients still hurt, or you take a step
-# per shard (`tf_diffmap.Strategy(gradients_per_step=1)`), bound the staleness
-# with `tf_diffmap.Strategy(max_staleness=k)` or try the rules of
+# one fresh gradient per replica (computed on the current parameters) into each
+# step of the optimizer and drops those that arrive after their window closed,
+# so the tab also shows the staleness in optimizer steps (the unit switch: 0 for
+# every gradient applied) and the dropped gradients, most of them the
+# straggler's. If you take a step per shard
+# (`tf_diffmap.Strategy(gradients_per_step=1)`), bound the staleness with
+# `tf_diffmap.Strategy(gradients_per_step=1, max_staleness=k)` or try the rules of
 # `tf_diffmap.AsyncOptimizer`, and compare: the next notebook does.
 
 # %% [markdown]

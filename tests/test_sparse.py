@@ -234,7 +234,11 @@ def test_no_row_increment_is_lost_with_four_contending_replicas(per_step):
     # each aggregated step (the sum of 4 pushes of a quarter of that each).
     steps = updates if per_step == 1 else strategy.statistics().steps
     if per_step != 1:
-        assert steps == updates // 4
+        # Fresh windows: one step per window of a batch's examples, where a
+        # late shard (dropped, its examples skipped) may leave a window short.
+        windows = strategy.window_statistics()
+        assert steps == windows.windows > 0
+        assert windows.examples + windows.skipped == 2 * 1024
     np.testing.assert_array_equal(table[:IDS], np.full((IDS, 4), -steps * lr, "float32"))
     np.testing.assert_array_equal(table[IDS:], 0.0)
 

@@ -19,9 +19,9 @@ How a training step flows:
 4. A replica step reads the store version, runs forward and backward, claims
    a new version (its staleness is the difference), and pushes its
    gradient to the store (`tf_diffmap.updates.aggregation`): by default a
-   window of one gradient per replica is one step of the optimizer, and
-   with fresh windows the replica waits for its window to close before it
-   takes its next shard. With `gradients_per_step=1` it applies its own
+   window of fresh gradients (read at the current step), one per replica,
+   is one step of the optimizer, and the replica waits for its window to
+   close before it takes its next shard. With `gradients_per_step=1` it applies its own
    gradient with update ops on the store's devices.
 5. Before anything reads the model as a whole, the loops are drained.
 
@@ -59,16 +59,22 @@ from tf_diffmap.updates.step import current_step
 __all__ = ["MAX_STEP_STALENESS", "Strategy", "current_step"]
 
 MAX_STEP_STALENESS: int | None = 0
-"""The default of `Strategy(max_step_staleness=...)`: a gradient computed
-more than one optimizer step before the step that would use it is dropped.
+"""The default of `Strategy(max_step_staleness=...)`: fresh windows. Every
+optimizer step is taken on gradients of the current parameters (a gradient
+read before the latest step is dropped, its examples counted as skipped),
+and a window that waits past its patience on a slow replica is filled by
+the others (`tf_diffmap.engine.windows.LATE_WINDOW`).
 
 Chosen on the tuning half of the held-out grid (`benchmarks.grid`, 32
-conditions, seed 0, 2026-12-06), between no bound and a bound of 1: both
-had a median accuracy gap to synchronous training of -2.4 points; the bound
-was ahead in 15 conditions and behind in 6 (by +2.0 points on average), its
-worst gap where synchronous training reaches 0.8 was -75 points against
--85, and it dropped a median 2% of the gradients (at most 3.8%). The other
-half reports it untouched: see the Staleness-aware updates page."""
+conditions, seed 0, 2026-12-06) over asynchronous windows with a bound of 1
+(the previous default) and fresh windows closed short: median accuracy gap
+to synchronous training +0.0 points against -3.3 and -0.3, worst gap where
+synchronous training reaches 0.8 -10.0 points against -74.7 and -64.7, and
+no run below 0.5 there (against 4 and 1). A second held-out set, drawn
+before any run and run untouched with two seeds, reports it: +0.1 median,
+-35.6 worst, 1 run below 0.5, against -1.2, -78.2 and 9 for the bound of 1
+(`python -m benchmarks.grid --report-only --part new_held_out --seeds 0 1
+--variants agg_bound_1 fresh_fill`; see the Staleness-aware updates page)."""
 
 
 def _check_int(name: str, value, minimum: int, none: str = "", note: str = "") -> None:
@@ -153,25 +159,28 @@ class Strategy(_tf_internal.StrategyBase):
             one step of the optimizer. `"auto"` (the default) is one per
             replica, the shards of one batch: the optimizer takes one step
             per batch on the batch's mean gradient, with the hyperparameters
-            it was tuned with for synchronous training, while no replica
-            waits for another (a slow replica's share is taken by the
-            others). 1 applies every shard's gradient as a step of its own,
+            it was tuned with for synchronous training, and no replica
+            waits for a slow one past the window's patience (the others
+            fill its place). 1 applies every shard's gradient as a step of its own,
             the plain asynchronous update that `tf_diffmap.AsyncOptimizer`'s
             per-update rules correct. See `tf_diffmap.updates.aggregation` and the
             documentation's "Staleness-aware updates".
-        max_step_staleness: with aggregation, a gradient computed on
-            parameters more than this many optimizer steps old is dropped
-            (it still counts in its window, with no weight) and counted in
-            the statistics. None accepts every gradient. The default, 1
-            (`MAX_STEP_STALENESS`), was chosen on the tuning half of the
-            held-out grid. 0 makes the windows *fresh*: window v takes only
-            gradients whose read saw v optimizer steps applied (a gradient
-            that did not is dropped and takes no slot, its examples counted
-            as skipped), weighted by their examples, and is full once they
-            make a global batch; a replica that pushed into an open window
-            waits for it to close before it takes its next shard, so that
-            replicas that keep pace stay in step, one shard each per window,
-            as under `MirroredStrategy`. See `late_window`.
+        max_step_staleness: with aggregation, how many optimizer steps
+            old a gradient's parameters may be. The default, 0
+            (`MAX_STEP_STALENESS`, chosen on the tuning half of the held-out
+            grid), makes the windows *fresh*: window v takes only gradients
+            whose read saw v optimizer steps applied (a gradient that did
+            not is dropped and takes no slot, its examples counted as
+            skipped), weighted by their examples, and is full once they make
+            a global batch; a replica that pushed into an open window waits
+            for it to close before it takes its next shard, so that replicas
+            that keep pace stay in step, one shard each per window, as under
+            `MirroredStrategy`, and a slow one is not waited for past the
+            patience (see `late_window`). A bound b >= 1 makes the windows
+            *asynchronous*: K pushes each, whatever they read, no replica
+            waiting; a gradient more than b steps old is dropped (it still
+            counts in its window, with no weight) and counted in the
+            statistics. None accepts every gradient.
         late_window: with fresh windows, what happens to a window still
             open when its patience runs out (the median replica's time from
             a read to its push, times `1 + patience_margin`, after the
@@ -266,8 +275,11 @@ class Strategy(_tf_internal.StrategyBase):
         if max_step_staleness == 0 and max_staleness is not None:
             raise ValueError(
                 f"max_staleness={max_staleness} bounds how far replicas run ahead of "
-                "each other, and max_step_staleness=0 already keeps them in step "
-                "(each waits for the window it pushed into): pass one of the two."
+                "each other, and fresh windows (max_step_staleness=0, the default) "
+                "keep them in step already: each waits for the window it pushed "
+                "into. To bound the staleness of asynchronous training, pass "
+                "max_step_staleness=1 (asynchronous windows) or gradients_per_step=1 "
+                "(a step per shard) with it."
             )
         if not isinstance(colocate_cpu_replicas, bool):
             raise ValueError(
