@@ -89,6 +89,11 @@ class SplitInference:
         self._outputs_per_replica = len(step.output_specs()[2])
         with tf.init_scope():
             self.function = tf.compat.v1.wrap_function(self._run_shards, list(step.specs))
+            # Written with every call's claims at each step (see `call_in_graph`).
+            with tf.device(runtime.client_host):
+                self._ran = _tf_internal.ResourceVariable(
+                    tf.constant(0, tf.int64), trainable=False, name="tf_diffmap_inference_ran"
+                )
 
     def _run_shards(self, *tensors):
         """Every replica's step on its shard, as independent calls."""
@@ -97,8 +102,8 @@ class SplitInference:
         flat = []
         for replica, shard in enumerate(shards):
             concrete = self.step.concretes[self.runtime.compute_devices[replica]]
-            outputs, _ = concrete(tf.constant(replica, tf.int32), *shard)
-            flat.extend(self.step.flat_outputs(outputs))
+            outputs, claims = concrete(tf.constant(replica, tf.int32), *shard)
+            flat.extend([claims, *self.step.flat_outputs(outputs)])
         return flat
 
     def call_in_graph(self, args, kwargs):
@@ -108,10 +113,17 @@ class SplitInference:
             flat = self.function(*self.step.tensors_of(args, kwargs))
         if not isinstance(flat, (list, tuple)):
             flat = [flat]
-        count = self._outputs_per_replica
+        count = self._outputs_per_replica + 1  # the claims first
+        # A wrapped function keeps only what its used outputs need: once
+        # inlined in the caller's graph, a replica call whose outputs nobody
+        # reads (a step that only updates metrics returns none) would be
+        # pruned. A write of every call's claims uses them all.
+        self._ran.assign(
+            tf.add_n([flat[k * count] for k in range(self.replicas)]), read_value=False
+        )
         per_output = [
             _tf_internal.per_replica(flat[k * count + i] for k in range(self.replicas))
-            for i in range(count)
+            for i in range(1, count)
         ]
         return self.step.pack_outputs(per_output)
 
