@@ -63,7 +63,9 @@ def same_weights_models(**strategy_kwargs):
     return plain, strategy, model
 
 
-@pytest.fixture(scope="module", params=[{}, {"gradients_per_step": 1}], ids=["windows", "per-shard"])
+@pytest.fixture(
+    scope="module", params=[{}, {"gradients_per_step": 1}], ids=["windows", "per-shard"]
+)
 def models(request):
     return same_weights_models(**request.param)
 
@@ -150,7 +152,8 @@ def test_every_replica_runs_a_shard_of_every_batch():
     x, y = binary_data(64 * 3 + 10)  # three full batches and one of 10
     model.evaluate(x, y, batch_size=64, verbose=0)
     calls = sorted(recorder.calls)
-    assert calls == sorted([(r, 16) for r in range(REPLICAS)] * 3 + [(0, 3), (1, 3), (2, 2), (3, 2)])
+    last = [(0, 3), (1, 3), (2, 2), (3, 2)]  # 10 examples: shards differ by one at most
+    assert calls == sorted([(r, 16) for r in range(REPLICAS)] * 3 + last)
     recorder.calls.clear()
     model.predict(x[:3], batch_size=64, verbose=0)  # fewer examples than replicas
     assert sorted(recorder.calls) == [(0, 1), (1, 1), (2, 1), (3, 0)]
@@ -192,9 +195,7 @@ class BatchCentered(keras.layers.Layer):
 
 
 def coupled_model() -> keras.Model:
-    model = keras.Sequential(
-        [keras.Input((FEATURES,)), keras.layers.Dense(1), BatchCentered()]
-    )
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1), BatchCentered()])
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     return model
 
