@@ -589,6 +589,41 @@ def test_store_variable_rewrites_keras_assign_add_as_atomic_add():
     assert variable.numpy() == 3.0
 
 
+def test_store_variable_notes_a_write_that_is_not_an_addition():
+    variable = _tf_internal.StoreVariable.adopt(tf.Variable(1.0, name="noted"), lambda: None)
+    noted = []
+
+    @tf.function
+    def step():
+        with _tracing_replica_step() as tracing:
+            tracing.plain_writes = noted
+            variable.assign(variable + 2.0)  # atomic: not noted
+            variable.assign_add(1.0)
+            variable.assign_sub(1.0)
+            assert noted == []
+            variable.assign(tf.constant(5.0))
+            tracing.plain_writes = None
+
+    step.get_concrete_function()
+    assert noted == ["noted:0"]
+
+
+def test_keras_reduces_a_per_replica_value_over_its_replicas():
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    strategy = tf_diffmap.Strategy()
+    rows = _tf_internal.per_replica([tf.constant([1.0, 2.0]), tf.constant([3.0]), tf.zeros([0])])
+    assert len(_tf_internal.replica_values(rows)) == 3
+    assert _tf_internal.replica_values(tf.constant(1.0)) is None
+    np.testing.assert_array_equal(reduce_per_replica(rows, strategy, "concat"), [1.0, 2.0, 3.0])
+    scalars = _tf_internal.per_replica([tf.constant(1.0), tf.constant(3.0)])
+    assert float(reduce_per_replica(scalars, strategy, "mean")) == 2.0
+    assert float(strategy.reduce("SUM", scalars, axis=None)) == 4.0
+    assert float(strategy.reduce("MEAN", rows, axis=0)) == 2.0
+    np.testing.assert_array_equal(strategy.gather(rows, axis=0), [1.0, 2.0, 3.0])
+    assert len(strategy.experimental_local_results(rows)) == 3
+
+
 def test_a_snapshot_variable_is_read_once_per_replica_step():
     variable = _tf_internal.StoreVariable.adopt(tf.Variable(2.0), lambda: None)
     variable.snapshot_in_steps()

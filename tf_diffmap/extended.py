@@ -21,6 +21,7 @@ from tf_diffmap import _tf_internal
 from tf_diffmap.devices import compute_device
 from tf_diffmap.engine import inputs, outputs
 from tf_diffmap.engine.feed import StepFeed
+from tf_diffmap.engine.inference import SplitInference, splits_over_replicas
 from tf_diffmap.engine.replica_step import ReplicaStep, run_eagerly, signature_of
 from tf_diffmap.engine.runtime import Runtime
 from tf_diffmap.engine.windows import LATE_WINDOW, PATIENCE_MARGIN
@@ -82,7 +83,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
-        self._steps: dict[Any, ReplicaStep | StepFeed] = {}
+        self._steps: dict[Any, ReplicaStep | StepFeed | SplitInference] = {}
         self._store_variable_ids: set[int] = set()
         self._made_here: weakref.WeakSet = weakref.WeakSet()
 
@@ -193,8 +194,9 @@ class AsyncExtended(_tf_internal.ExtendedBase):
                     "its own. Use a larger batch size instead."
                 )
 
-    def _step_for(self, fn, args, kwargs) -> ReplicaStep | StepFeed:
-        """The traced replica step for this call (and signature), or its feed."""
+    def _step_for(self, fn, args, kwargs) -> ReplicaStep | StepFeed | SplitInference:
+        """The traced replica step for this call (and signature), or what runs
+        it: its feed (a training step), or its split over the replicas."""
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
         self.runtime.watch_optimizer(getattr(getattr(target, "__self__", None), "optimizer", None))
@@ -204,6 +206,8 @@ class AsyncExtended(_tf_internal.ExtendedBase):
             step = ReplicaStep(self.runtime, self._container_strategy(), fn, args, kwargs)
             if step.trains:
                 step = StepFeed(step, self.runtime)
+            elif splits_over_replicas(step, self.runtime):
+                step = SplitInference(step, self.runtime)
             self._steps[key] = step
         return step
 
@@ -239,21 +243,21 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         return self.runtime.store.host
 
     def _reduce_to(self, reduce_op, value, destinations, options):
-        # Values are never per-replica here: a value is whole, or stands for
-        # one replica step of N (see `tf_diffmap.engine.outputs`).
+        # A value is per replica (a step split over the replicas), whole, or
+        # stands for one replica step of N (see `tf_diffmap.engine.outputs`).
         return outputs.reduce_replicas(reduce_op, value)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return [outputs.reduce_replicas(reduce_op, value) for value, _ in value_destination_pairs]
 
     def _local_results(self, val):
-        return (val,)
+        return outputs.local_results(val)
 
     def _broadcast_to(self, tensor, destinations):
         return tensor
 
     def _gather_to_implementation(self, value, destinations, axis, options):
-        return value
+        return outputs.gather(value, axis)
 
     # -- datasets -------------------------------------------------------------
 

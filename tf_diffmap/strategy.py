@@ -448,10 +448,12 @@ class Strategy(_tf_internal.StrategyBase):
         An asynchronous training step's `strategy.run` returns the outputs of
         one replica step, which stand for each of the N replicas: SUM
         multiplies them by N, MEAN leaves them; with an axis, the reduction
-        first runs over that axis of the one step's value. A whole batch's
-        outputs (a step that applies no update) are left as they are. See
-        `tf_diffmap.engine.outputs` and the documentation's "Custom training
-        loops".
+        first runs over that axis of the one step's value. A step that
+        applies no update returns one value per replica on one host (its
+        batch is split over the replicas), reduced as a synchronous
+        strategy's are; a whole batch's outputs (that step on a cluster) are
+        left as they are. See `tf_diffmap.engine.outputs` and the
+        documentation's "Custom training loops".
 
         Args:
             reduce_op: `tf.distribute.ReduceOp.SUM` or `MEAN`, or its name.

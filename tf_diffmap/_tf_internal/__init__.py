@@ -13,7 +13,7 @@ TensorFlow and Keras.
 Modules, by job:
 
 * `checks`: the hooks and members relied on, and `check_compatibility`.
-* `distribute`: the strategy's base classes, XLA, `tf.summary` state, the
+* `distribute`: the strategy's base classes, per-replica values, XLA, `tf.summary` state, the
   functions a dataset holds, the eager context's cluster (read, renewed, a
   task added or removed).
 * `variables`: the parameter store's variables (`StoreVariable`, the
@@ -50,7 +50,9 @@ from tf_diffmap._tf_internal.distribute import (
     dataset_functions,
     in_xla_context,
     is_mixed_strategy_error,
+    per_replica,
     reconnect_cluster,
+    replica_values,
     set_cluster_task,
 )
 from tf_diffmap._tf_internal.frames import user_stacklevel
@@ -127,12 +129,14 @@ __all__ = [
     "optimizer_strategy",
     "optimizer_trainable_variables",
     "pack_crossings",
+    "per_replica",
     "place_scalars_beside_reads",
     "quiet_tasks",
     "reconnect_cluster",
     "record_read",
     "record_rows_read",
     "replica_tracing",
+    "replica_values",
     "resolve_row_reads",
     "rewire_late_uses",
     "set_cluster_task",

@@ -13,6 +13,7 @@ import inspect
 
 import keras
 import tensorflow as tf
+from tensorflow.python.distribute import values as distribute_values
 from tensorflow.python.eager import context, record
 from tensorflow.python.ops import control_flow_util, resource_variable_ops, summary_ops_v2
 from tensorflow.python.trackable import base as trackable_base
@@ -174,12 +175,29 @@ def compatibility_problems() -> list[str]:
     for name in OPERATION_MEMBERS:
         if not hasattr(tf.Operation, name):
             problems.append(f"tf.Operation.{name} is gone")
+    problems += _per_replica_problems()
     problems += _remote_function_problems()
     problems += _cluster_problems()
     problems += _variable_problems()
     problems += _optimizer_problems()
     problems += _trainer_problems()
     return problems
+
+
+def _per_replica_problems() -> list[str]:
+    """What `distribute.per_replica` relies on: TensorFlow's `PerReplica`,
+    made of a tuple of values, which Keras reduces as a replica's values
+    (a `DistributedValues` that is a composite tensor)."""
+    per_replica = getattr(distribute_values, "PerReplica", None)
+    if per_replica is None:
+        return ["tensorflow.python.distribute.values.PerReplica is gone"]
+    if not issubclass(per_replica, tf.distribute.DistributedValues) or not issubclass(
+        per_replica, tf.__internal__.CompositeTensor
+    ):
+        return ["PerReplica is no longer a DistributedValues composite tensor"]
+    if _parameter_names(per_replica.__init__)[:2] != ("self", "values"):
+        return [f"PerReplica takes {_parameter_names(per_replica.__init__)}, expected values first"]
+    return []
 
 
 def _remote_function_problems() -> list[str]:

@@ -15,12 +15,31 @@ import threading
 from collections.abc import Callable
 
 import tensorflow as tf
+from tensorflow.python.distribute import values as distribute_values
 from tensorflow.python.eager import context
 from tensorflow.python.ops import control_flow_util, summary_ops_v2
 
 # Base classes of the strategy (public names for classes with private hooks).
 StrategyBase = tf.distribute.Strategy
 ExtendedBase = tf.compat.v1.distribute.StrategyExtended
+
+
+def per_replica(values) -> tf.distribute.DistributedValues:
+    """One value per replica, in replica order, as a synchronous strategy's
+    `run` returns them (TensorFlow's private `PerReplica`).
+
+    Keras reduces such a value over the replicas (the mean of a test step's
+    results, the concatenation of predictions), and `strategy.reduce`,
+    `gather` and `experimental_local_results` read its values.
+    """
+    return distribute_values.PerReplica(tuple(values))
+
+
+def replica_values(value) -> tuple | None:
+    """The replicas' values of a `per_replica` value, or None for any other value."""
+    if isinstance(value, distribute_values.PerReplica):
+        return tuple(value.values)
+    return None
 
 
 def in_xla_context() -> bool:

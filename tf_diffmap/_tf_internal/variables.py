@@ -90,7 +90,9 @@ class StoreVariable(InStore, ResourceVariable):
     Besides what `InStore` adds, inside a replica step Keras'
     `v.assign(v + d)` (how a Keras variable implements `assign_add`) is
     applied as one atomic `assign_add(d)`, so that counters and metric
-    totals lose no increment when replicas write them at the same time.
+    totals lose no increment when replicas write them at the same time. Any
+    other `assign` there is noted in `_ReplicaTracing.plain_writes`: replicas
+    that made it at the same time would race.
     """
 
     @classmethod
@@ -155,6 +157,8 @@ class StoreVariable(InStore, ResourceVariable):
                 return super().assign_add(
                     delta, use_locking=use_locking, name=name, read_value=read_value
                 )
+            if _replica_tracing.plain_writes is not None:
+                _replica_tracing.plain_writes.append(self.name)
         return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
@@ -173,9 +177,12 @@ class _ReplicaTracing(threading.local):
         active: whether a replica step is being traced.
         step_graph: the graph of that step (None when it runs eagerly).
         snapshots: per variable id, the step graph's first read of it.
+        plain_writes: the names of the store variables the step assigns a
+            value that is not an addition to their own (None outside a step).
     """
 
     active = False
+    plain_writes: list[str] | None = None
     step_graph = None
     # Whether reads of large variables get stand-ins (until the claim).
     reads_as_rows = False

@@ -19,9 +19,19 @@ for one replica of N, all of which computed alike:
 - `gather(v, axis)` and `experimental_local_results(v)` hold that one
   step's values only: the other shards' outputs are not waited for.
 
-A step that runs the whole batch at once (one that applies no update,
-`run_eagerly`, an eager `strategy.run`) returns the whole batch's outputs,
-which stand for every replica: reducing them leaves them as they are.
+A step that applies no update is split over the replicas on one host, as
+`MirroredStrategy` splits it (`tf_diffmap.engine.inference`): `strategy.run`
+returns one value per replica, each computed from that replica's shard of
+the batch, and these reduce as a synchronous strategy's do: SUM adds them,
+MEAN averages them, with an axis the reduction runs over the replicas'
+examples together (MEAN is then the batch's mean), and `gather` and
+`experimental_local_results` give every replica's value, in replica order
+(concatenated, the batch's order).
+
+A step that runs the whole batch at once (`run_eagerly`, an eager
+`strategy.run`, one that applies no update on a cluster) returns the whole
+batch's outputs, which stand for every replica: reducing them leaves them
+as they are.
 
 The mark is an attribute of the tensor that `strategy.run` returns in the
 caller's graph: reduce in the same `tf.function` as the `run`, as the
@@ -32,7 +42,16 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["mark_one_replica", "reduce_over_axis", "reduce_replicas", "stands_for"]
+from tf_diffmap import _tf_internal
+
+__all__ = [
+    "gather",
+    "local_results",
+    "mark_one_replica",
+    "reduce_over_axis",
+    "reduce_replicas",
+    "stands_for",
+]
 
 _STANDS_FOR = "_tf_diffmap_stands_for"
 
@@ -50,8 +69,28 @@ def stands_for(value) -> int:
     return getattr(value, _STANDS_FOR, 1)
 
 
+def local_results(value) -> tuple:
+    """The replicas' values of `value` (itself alone unless it is per replica)."""
+    values = _tf_internal.replica_values(value)
+    return (value,) if values is None else values
+
+
+def gather(value, axis: int):
+    """Every replica's value, concatenated along `axis` (the batch's order)."""
+    values = _tf_internal.replica_values(value)
+    if values is None:
+        return value
+    return tf.concat(values, axis=axis)
+
+
 def reduce_replicas(reduce_op: tf.distribute.ReduceOp, value):
     """Reduces over the replicas a value that `strategy.run` returned."""
+    values = _tf_internal.replica_values(value)
+    if values is not None:
+        total = tf.add_n([tf.convert_to_tensor(v) for v in values])
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            total = total / tf.cast(len(values), total.dtype)
+        return total
     replicas = stands_for(value)
     if reduce_op != tf.distribute.ReduceOp.SUM or replicas == 1:
         return value
@@ -60,7 +99,15 @@ def reduce_replicas(reduce_op: tf.distribute.ReduceOp, value):
 
 
 def reduce_over_axis(reduce_op: tf.distribute.ReduceOp, value, axis):
-    """Reduces `value` over `axis` (its examples), keeping its mark."""
+    """Reduces `value` over `axis` (its examples), keeping its mark.
+
+    A per-replica value is reduced over the replicas' examples together: the
+    sum of every replica's sum, or the mean of all their examples.
+    """
+    values = _tf_internal.replica_values(value)
+    if values is not None:
+        joined = tf.concat([tf.convert_to_tensor(v) for v in values], axis=axis)
+        return reduce_over_axis(reduce_op, joined, axis)
     replicas = stands_for(value)
     value = tf.convert_to_tensor(value)
     if reduce_op == tf.distribute.ReduceOp.SUM:

@@ -8,7 +8,9 @@ outputs with the replica's count of claims. Tracing runs in a helper thread
 (`in_clean_thread`): Keras' own trace has lifted scopes that would stop the
 gradient tape. Whether the step trains (claims a version) decides how it is
 run: a training step is fed to the replicas' loops (`feed.StepFeed`); any
-other runs whole, synchronously, on the first replica's device.
+other runs synchronously, after a drain: on one host split over every
+replica (`inference.SplitInference`), on a cluster whole on the first
+replica's device (`ReplicaStep.call_in_graph`).
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ class ReplicaStep:
     Attributes:
         specs: one shard's tensor specs, in the order `fn`'s tensors come.
         trains: whether the step claims a store version (applies an update).
+        plain_writes: the store variables the step assigns a value that is
+            not an addition to their own (replicas doing so at once race).
         concretes: per compute device, the concrete function
             `(replica_id, *shard) -> (outputs, claims)`.
     """
@@ -146,6 +150,7 @@ class ReplicaStep:
         self.specs = _shard_specs(leaves, self.tensor_positions)
         self.concretes: dict[str, Any] = {}
         self.trains = False
+        self.plain_writes: list[str] = []
         try:
             in_clean_thread(lambda: self._trace(fn, strategy))
         except RuntimeError as error:
@@ -172,7 +177,7 @@ class ReplicaStep:
         # rather than on the replica's device, whence the count would travel
         # back at every step.
         counted_on_host = runtime.worker_hosts is None
-        trains, pushed = [], []
+        trains, pushed, plain_writes = [], [], []
         # Where the strategy aggregates gradients into steps, the optimizers
         # the step can reach take their steps through their aggregation.
         optimizers = optimizers_of(fn) if runtime.aggregates else []
@@ -204,6 +209,7 @@ class ReplicaStep:
                         with tf.control_dependencies(reads):
                             outputs = fn(*args, **kwargs)
                         outputs = state.finish(outputs)
+                        plain_writes.extend(_tf_internal.replica_tracing().plain_writes)
                     # Claims this replica has made in all (read after this
                     # step's records): a claim inside a branch may not run.
                     claims = runtime.store.claims_of(replica_id)
@@ -225,14 +231,18 @@ class ReplicaStep:
                     self.concretes[device] = function.get_concrete_function(
                         tf.TensorSpec([], tf.int32), *self.specs
                     )
-                    if not trains[0]:
-                        break  # A synchronous step runs on the first device only.
+                    if not trains[0] and runtime.worker_hosts is not None:
+                        # On a cluster a step that applies no update runs
+                        # whole on the first device; on one host it is split
+                        # over every replica's device.
+                        break
             # What applies a window that is not full, at a drain: traced now,
             # while every task serves.
             for optimizer in optimizers:
                 aggregation = runtime.aggregation_for(innermost(optimizer))
                 aggregation.trace_flush(strategy, runtime.client_host)
         self.trains = trains[0]
+        self.plain_writes = plain_writes
         if self.trains and runtime.aggregates and not pushed[0]:
             warn_if_not_aggregated(getattr(inspect_target(fn), "__qualname__", repr(fn)))
 
@@ -270,10 +280,12 @@ class ReplicaStep:
             leaves[i] = tensor
         return tf.nest.pack_sequence_as(structure, leaves)
 
-    # -- a synchronous step ------------------------------------------------
+    # -- a synchronous step, whole ------------------------------------------
 
     def call_in_graph(self, args, kwargs):
-        """A step that applies no update: drain, then run on the first replica device."""
+        """A step that applies no update, run whole: drain, then run on the
+        first replica device (on a cluster, or where the step cannot be
+        split: see `inference.splits_over_replicas`)."""
         drained = tf.py_function(self._drain, [], tf.bool, name="tf_diffmap_drain")
         with tf.control_dependencies([drained]):
             outputs, _ = self.concrete(tf.constant(0, tf.int32), *self.tensors_of(args, kwargs))

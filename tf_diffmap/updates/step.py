@@ -318,7 +318,15 @@ def current_step() -> StepState | None:
     return getattr(_tracing, "step", None)
 
 
-_FIELDS = ("active", "step_graph", "snapshots", "reads_as_rows", "stand_ins", "step")
+_FIELDS = (
+    "active",
+    "step_graph",
+    "snapshots",
+    "reads_as_rows",
+    "stand_ins",
+    "step",
+    "plain_writes",
+)
 
 
 @contextlib.contextmanager
@@ -333,7 +341,7 @@ def tracing_step(state: StepState | None, reads_as_rows: bool = True):
     """
     previous = [getattr(_tracing, field, None) for field in _FIELDS]
     graph = _graph_now()
-    fresh = (True, graph, {}, reads_as_rows and graph is not None, {}, state)
+    fresh = (True, graph, {}, reads_as_rows and graph is not None, {}, state, [])
     for field, value in zip(_FIELDS, fresh):
         setattr(_tracing, field, value)
     try:
