@@ -44,9 +44,15 @@ CONTENDERS = {
     for c in (
         Contender("plain_keras", "plain Keras"),
         Contender("mirrored", "MirroredStrategy"),
-        # The default: the store aggregates one shard gradient per replica into
-        # each optimizer step (`gradients_per_step="auto"`).
+        # The default: the store aggregates one fresh shard gradient per
+        # replica into each optimizer step (`gradients_per_step="auto"`,
+        # `max_step_staleness=0`), a late window filled past its patience.
         Contender("tf_diffmap", "tf_diffmap", asynchronous=True),
+        # The same, a late shard put back on the queue (`late_shards="requeue"`).
+        Contender("tf_diffmap_requeue", "tf_diffmap, late shards requeued", asynchronous=True),
+        # Asynchronous windows (`max_step_staleness=1`, the default before
+        # fresh windows): no replica waits, gradients up to a step stale.
+        Contender("tf_diffmap_async_windows", "tf_diffmap, asynchronous windows", asynchronous=True),
         # Every shard's gradient a step of its own (`gradients_per_step=1`), as
         # before aggregation, and where `AsyncOptimizer`'s per-update rules apply.
         Contender("tf_diffmap_per_shard", "tf_diffmap, a step per shard", asynchronous=True),
@@ -262,6 +268,8 @@ class Runtime:
 
         if self.name in (
             "tf_diffmap",
+            "tf_diffmap_requeue",
+            "tf_diffmap_async_windows",
             "tf_diffmap_per_shard",
             "tf_diffmap_own_devices",
             "tf_diffmap_fresh",
@@ -292,6 +300,10 @@ class Runtime:
         if self.name.startswith("tf_diffmap_fresh"):
             options["max_step_staleness"] = 0
             options["late_window"] = "fill" if self.name.endswith("_fill") else "close"
+        if self.name == "tf_diffmap_requeue":
+            options["late_shards"] = "requeue"
+        if self.name == "tf_diffmap_async_windows":
+            options["max_step_staleness"] = 1
         return options
 
     def scope(self):

@@ -153,7 +153,8 @@ REFERENCE_VARIANTS = ("sync", "none", "default")
 # Candidates for the default, run on the tuning half instead of "default":
 # aggregation with each bound on the staleness in optimizer steps
 # (`max_step_staleness`; unbounded: None), fresh windows (a bound of 0:
-# "fresh_<late_window>", with "_m<margin>" for another patience margin), and
+# "fresh_<late_window>", with "_m<margin>" for another patience margin and
+# "_requeue" for late shards put back on the queue), and
 # the previous default (every shard's gradient a step, AsyncOptimizer's
 # "auto" rule). Runs named "agg_bound_0" in runs.jsonl are of the bound of 0
 # before fresh windows (rejected gradients kept their window's count).
@@ -411,12 +412,16 @@ def _strategy(variant: str, condition: dict):
     elif variant.startswith("agg_bound_"):
         kwargs["max_step_staleness"] = int(variant.rsplit("_", 1)[1])
     elif variant.startswith("fresh_"):
-        # Fresh windows: "fresh_<policy>" or "fresh_<policy>_m<margin>".
+        # Fresh windows: "fresh_<policy>", then optionally "_m<margin>" and
+        # "_requeue" (late shards put back on the queue).
         parts = variant.split("_")
         kwargs["max_step_staleness"] = 0
         kwargs["late_window"] = parts[1]
-        if len(parts) > 2:
-            kwargs["patience_margin"] = float(parts[2][1:])
+        for part in parts[2:]:
+            if part == "requeue":
+                kwargs["late_shards"] = "requeue"
+            else:
+                kwargs["patience_margin"] = float(part[1:])
     return tf_diffmap.Strategy(**kwargs)
 
 

@@ -16,6 +16,8 @@ COLORS = {
     "tf_diffmap_per_shard": "#9467bd",
     "tf_diffmap_fresh": "#e377c2",
     "tf_diffmap_fresh_fill": "#8c564b",
+    "tf_diffmap_requeue": "#17becf",
+    "tf_diffmap_async_windows": "#bcbd22",
     "tf_diffmap_bounded": "#ff7f0e",
     "central_storage": "#2ca02c",
 }

@@ -46,8 +46,12 @@ def test_one_fresh_window_of_two_replicas_is_one_plain_keras_step(optimizer):
         devices=["CPU:0", "CPU:1"], max_step_staleness=0, patience_margin=1e4
     )
     ours = _fit(strategy, OPTIMIZERS[optimizer], x, y, weights, batch_size=9)
+    # The window sums its shards in the order they arrive; Adam's first step
+    # divides each coordinate by its own size, so the float32 rounding of a
+    # coordinate near 0 moves its step by up to ~6e-6 (seen): under 0.1% of
+    # one step of 1e-2.
     for a, b in zip(ours.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5)
     windows = strategy.window_statistics()
     assert windows.windows == 1 == int(ours.optimizer.iterations.numpy())
     assert windows.examples == 9 and windows.closed_short == 0
@@ -73,9 +77,11 @@ def test_replicas_in_step_train_as_plain_keras_over_many_steps():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _straggler_fit(late_window, seconds=0.3, epochs=2):
+def _straggler_fit(late_window, seconds=0.3, epochs=2, late_shards="skip"):
     x, y = classification_data(256, seed=13)
-    strategy = tf_diffmap.Strategy(max_step_staleness=0, late_window=late_window)
+    strategy = tf_diffmap.Strategy(
+        max_step_staleness=0, late_window=late_window, late_shards=late_shards
+    )
     with strategy.scope():
         model = keras.Sequential(
             [
@@ -123,6 +129,26 @@ def test_a_straggler_is_never_waited_for_past_the_patience(late_window):
     assert int(stats.step_histogram[:, 0].sum()) >= int(stats.updates.sum())
 
 
+def test_a_straggler_s_late_shards_are_requeued_and_trained_by_the_others():
+    """With `late_shards="requeue"` a shard whose gradient came too late
+    goes back on the queue: the fast replicas train it, and every example
+    of the epochs is trained on (none counted as skipped but one whose
+    late step ran in Keras' own graph, the first of an epoch)."""
+    strategy, model, examples, (version, steps) = _straggler_fit(
+        "fill", seconds=0.1, late_shards="requeue"
+    )
+    stats = strategy.statistics()
+    windows = strategy.window_statistics()
+    assert int(stats.dropped[0]) > 0 and windows.requeued > 0
+    # Each requeued shard is pushed once more: versions count every push.
+    assert int(stats.updates.sum() + stats.dropped.sum()) == strategy.version - version
+    assert int(stats.examples.sum()) == examples + windows.requeued
+    assert windows.examples + windows.skipped == examples
+    assert windows.skipped <= 2 * 8  # at most one shard of each epoch's first step
+    assert stats.steps == windows.windows == int(model.optimizer.iterations.numpy())
+    assert stats.overall_max_step_staleness == 0
+
+
 def test_fresh_windows_refuse_what_contradicts_them():
     with pytest.raises(ValueError, match="late_window must be one of 'close', 'fill'"):
         tf_diffmap.Strategy(max_step_staleness=0, late_window="wait")
@@ -130,6 +156,8 @@ def test_fresh_windows_refuse_what_contradicts_them():
         tf_diffmap.Strategy(max_step_staleness=0, patience_margin=-1)
     with pytest.raises(ValueError, match="max_staleness=2 bounds"):
         tf_diffmap.Strategy(max_step_staleness=0, max_staleness=2)
+    with pytest.raises(ValueError, match="late_shards must be one of 'requeue', 'skip'"):
+        tf_diffmap.Strategy(late_shards="drop")
 
 
 def test_the_windows_figures_reach_tensorboard(tmp_path):

@@ -80,8 +80,9 @@ def test_scalar_loss_is_not_rescaled(per_step):
     """A custom step's scalar loss is the replica's, as under any
     tf.distribute strategy: per shard each update moves by its gradient;
     aggregated, a step sums its replicas' gradients, as MirroredStrategy's
-    all-reduce does."""
-    strategy = tf_diffmap.Strategy(gradients_per_step=per_step)
+    all-reduce does. (A patience no replica reaches: a window the timer
+    closed short or filled is a step too, of the batch's scale.)"""
+    strategy = tf_diffmap.Strategy(gradients_per_step=per_step, patience_margin=1e4)
     with strategy.scope():
         inputs = keras.Input((4,))
         outputs = keras.layers.Dense(3, use_bias=False, kernel_initializer="zeros")(inputs)

@@ -24,7 +24,7 @@ from tf_diffmap.engine.feed import StepFeed
 from tf_diffmap.engine.inference import SplitInference, splits_over_replicas
 from tf_diffmap.engine.replica_step import ReplicaStep, run_eagerly, signature_of
 from tf_diffmap.engine.runtime import Runtime
-from tf_diffmap.engine.windows import LATE_WINDOW, PATIENCE_MARGIN
+from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN
 from tf_diffmap.store.parameter_store import optimizer_outside_scope_message, outside_scope_message
 from tf_diffmap.updates.optimizer import optimizer_chain
 from tf_diffmap.updates.step import current_step
@@ -60,6 +60,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         absent_replicas: Sequence[int] = (),
         late_window: str = LATE_WINDOW,
         patience_margin: float = PATIENCE_MARGIN,
+        late_shards: str = LATE_SHARDS,
     ):
         super().__init__(container_strategy)
         self.runtime = Runtime(
@@ -80,6 +81,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
             absent_replicas,
             late_window,
             patience_margin,
+            late_shards,
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.

@@ -48,7 +48,13 @@ from tf_diffmap.devices import (
 from tf_diffmap.engine import outputs
 from tf_diffmap.engine.replicas import PS_TIMEOUT, WORKER_TIMEOUT, ReplicaReport
 from tf_diffmap.engine.runtime import Runtime
-from tf_diffmap.engine.windows import LATE_WINDOW, LATE_WINDOW_POLICIES, PATIENCE_MARGIN
+from tf_diffmap.engine.windows import (
+    LATE_SHARD_POLICIES,
+    LATE_SHARDS,
+    LATE_WINDOW,
+    LATE_WINDOW_POLICIES,
+    PATIENCE_MARGIN,
+)
 from tf_diffmap.extended import AsyncExtended
 from tf_diffmap.store.gate import WindowStats
 from tf_diffmap.store.parameter_store import optimizer_outside_scope_message
@@ -193,6 +199,13 @@ class Strategy(_tf_internal.StrategyBase):
         patience_margin: with fresh windows, the patience's margin over the
             median replica's read-to-push time, as a fraction of it
             (`tf_diffmap.engine.windows.PATIENCE_MARGIN` by default).
+        late_shards: with fresh windows, what becomes of a shard whose
+            gradient came after its window was taken: `"skip"` (the
+            default, `LATE_SHARDS`) counts its examples as skipped;
+            `"requeue"` puts it back on the queue, where another replica
+            takes it, so that every example of the epoch is trained on (one
+            host only: on a cluster, and for a step with more than one
+            optimizer, its examples are skipped).
         reserved_devices: on a cluster that may grow, the devices of worker
             tasks that are not in it yet (`tf_diffmap.cluster.
             strategy_for_cluster(max_workers=...)` names them). Their
@@ -236,6 +249,7 @@ class Strategy(_tf_internal.StrategyBase):
         reserved_devices: Sequence[str] = (),
         late_window: str = LATE_WINDOW,
         patience_margin: float = PATIENCE_MARGIN,
+        late_shards: str = LATE_SHARDS,
     ):
         _tf_internal.check_compatibility()
         _check_int("replicas_per_device", replicas_per_device, 1)
@@ -262,6 +276,11 @@ class Strategy(_tf_internal.StrategyBase):
             raise ValueError(
                 f"late_window must be one of {', '.join(map(repr, LATE_WINDOW_POLICIES))}, "
                 f"received {late_window!r}."
+            )
+        if late_shards not in LATE_SHARD_POLICIES:
+            raise ValueError(
+                f"late_shards must be one of {', '.join(map(repr, LATE_SHARD_POLICIES))}, "
+                f"received {late_shards!r}."
             )
         if (
             isinstance(patience_margin, bool)
@@ -335,6 +354,7 @@ class Strategy(_tf_internal.StrategyBase):
                 absent,
                 late_window,
                 float(patience_margin),
+                late_shards,
             )
         )
         # A model built outside every scope would train as plain Keras, silently.

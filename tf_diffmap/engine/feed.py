@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tf_diffmap.engine.loops import (
     HeldShard,
+    Late,
     ShardChannel,
     drop_function,
     held_shard,
@@ -149,6 +150,10 @@ class StepFeed:
         self.loop_concretes = {}
         self._loop_calls = {}
         devices = runtime.compute_devices
+        # Where a shard whose gradient came too late for its window goes
+        # back on the queue (one host: a queued item is the shard itself).
+        gate = runtime.requeue_gate() if fetch is None else None
+        late = None if gate is None else Late(runtime.store.dropped_of, gate.requeued, batch_size)
         first_of = {}
         for replica, device in enumerate(devices):
             shared = devices.count(device) > 1
@@ -169,6 +174,7 @@ class StepFeed:
                 self._stamp,
                 fetch,
                 before_take=runtime.window_waits,
+                late=late,
             )
             specs = [tf.TensorSpec([], tf.int32), *sources]
             if shared:

@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["HeldShard", "ShardChannel", "drop_function", "held_shard", "loop_function"]
+__all__ = ["HeldShard", "Late", "ShardChannel", "drop_function", "held_shard", "loop_function"]
 
 _PUT, _DONE = 0, 1
 
@@ -200,6 +200,14 @@ class ShardChannel:
         with tf.device(self.counter_device):
             return self.fences.sparse_read(replica_id)
 
+    def put_back(self, item: Sequence[tf.Tensor]) -> tf.Operation:
+        """Queues a shard that was taken again, counted as put once more (in
+        a graph): its taker counts it done as well, so that nothing drains
+        before another replica has applied it."""
+        with tf.device(self.device):
+            queued = self.queue.enqueue([tf.constant(False), *item])
+        return self._count_put([queued], 1)
+
     def give_back(self, replica_id: tf.Tensor, item: Sequence[tf.Tensor]) -> tf.Operation:
         """Puts an item a fenced replica took back on the queue, uncounted."""
         with tf.device(self.device):
@@ -335,6 +343,7 @@ def loop_function(
     stamp: Callable[[tf.Tensor], tf.Tensor],
     fetch: Callable[..., list[tf.Tensor]] | None = None,
     before_take: Callable[[tf.Tensor], list] | None = None,
+    late: Late | None = None,
 ) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
     """A replica loop: take and apply up to `max_steps` shards, or a STOP.
 
@@ -356,6 +365,9 @@ def loop_function(
             worker's input iterator).
         before_take: `replica_id -> ops` that each take waits for (a fresh
             window's wait, `tf_diffmap.store.gate`).
+        late: what tells a shard whose gradient came too late for its fresh
+            window, and puts it back on the queue (`Late`); None: such a
+            shard's examples are skipped.
 
     Returns:
         `loop(replica, max_steps, *sources) -> (items taken, whether a STOP
@@ -402,8 +414,16 @@ def loop_function(
 
             def apply():
                 shard = fetch(item, *sources) if fetch is not None else item
-                after = apply_shard(replica_id(), shard, claims)
-                with tf.control_dependencies([after]):
+                if late is None:
+                    after = apply_shard(replica_id(), shard, claims)
+                    ops = [after]
+                else:
+                    mark = late.before(replica_id())
+                    with tf.control_dependencies([mark]):
+                        after = apply_shard(replica_id(), shard, claims)
+                    with tf.control_dependencies([after]):
+                        ops = [after, late.after(replica_id(), shard, mark, channel)]
+                with tf.control_dependencies(ops):
                     with tf.control_dependencies([channel.done(replica_id())]):
                         return tf.identity(after)
 
@@ -439,6 +459,47 @@ def loop_function(
         return taken, stopped
 
     return loop
+
+
+class Late:
+    """Puts a shard back on the queue when its gradient came too late.
+
+    Under fresh windows a replica's gradient is dropped when a window was
+    taken between its read and its push (it ran past the window's
+    patience); the shard's examples then go back on the queue for another
+    replica, rather than being skipped. Only on one host, where a queued
+    item is the shard itself (on a cluster it is a token, which stands for
+    whichever shard its taker's input yields next).
+
+    Args:
+        dropped_of: `replica_id -> int64`, the updates of the replica
+            dropped so far (`ParameterStore.dropped_of`).
+        requeued: `examples -> op`, which counts the shard's examples as
+            requeued (`Gate.requeued`).
+        examples: `shard -> int64 scalar`, the examples of a shard (None
+            where it has no batched tensor).
+    """
+
+    def __init__(self, dropped_of, requeued, examples):
+        self._dropped_of = dropped_of
+        self._requeued = requeued
+        self._examples = examples
+
+    def before(self, replica_id: tf.Tensor) -> tf.Tensor:
+        return self._dropped_of(replica_id)
+
+    def after(
+        self, replica_id: tf.Tensor, shard: list[tf.Tensor], before: tf.Tensor, channel
+    ) -> tf.Tensor:
+        dropped = self._dropped_of(replica_id) > before
+
+        def put_back():
+            examples = self._examples(shard)
+            counted = [] if examples is None else [self._requeued(examples)]
+            with tf.control_dependencies([channel.put_back(shard), *counted]):
+                return tf.constant(True)
+
+        return tf.cond(dropped, put_back, lambda: tf.constant(False))
 
 
 def drop_function(channel: ShardChannel) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:

@@ -26,7 +26,7 @@ from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
 from tf_diffmap.engine.guard import CollapseGuard
 from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
 from tf_diffmap.engine.threads import in_clean_thread
-from tf_diffmap.engine.windows import LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
+from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import ReplicaState
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
@@ -89,6 +89,9 @@ class Runtime:
             `"fill"` it or `"close"` it short (`tf_diffmap.engine.windows`).
         patience_margin: the patience's margin over the median replica's
             read-to-push time.
+        late_shards: `"requeue"` puts a shard whose gradient came too late
+            for its fresh window back on the queue (one host); `"skip"`
+            counts its examples as skipped.
     """
 
     def __init__(
@@ -107,9 +110,11 @@ class Runtime:
         absent_replicas: Sequence[int] = (),
         late_window: str = LATE_WINDOW,
         patience_margin: float = PATIENCE_MARGIN,
+        late_shards: str = LATE_SHARDS,
     ):
         self.replica_devices = list(replica_devices)
         self.late_window = late_window
+        self.late_shards = late_shards
         self.patience_margin = patience_margin
         # Per aggregation whose windows are fresh, its window timer.
         self._timers: dict[int, WindowTimer] = {}
@@ -262,6 +267,18 @@ class Runtime:
     def timers(self) -> list[WindowTimer]:
         """The window timers of the aggregations whose windows are fresh."""
         return list(self._timers.values())
+
+    def requeue_gate(self) -> Gate | None:
+        """The gate of the fresh windows whose late shards go back on the
+        queue, or None where their examples are skipped: `late_shards=
+        "skip"`, a cluster (a queued item is a token there, which stands for
+        whatever shard its taker's input yields next), or a step with more
+        than one optimizer (a shard put back would train again the one
+        whose window took it)."""
+        fresh = [a for a in self.aggregations() if a.fresh]
+        if self.late_shards != "requeue" or self.worker_hosts is not None or len(fresh) != 1:
+            return None
+        return fresh[0].gate
 
     def window_waits(self, replica_id: tf.Tensor) -> list[tf.Operation]:
         """Where windows are fresh, what a replica waits for before it

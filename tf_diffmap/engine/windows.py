@@ -33,7 +33,14 @@ import numpy as np
 
 from tf_diffmap.updates.aggregation import Aggregation
 
-__all__ = ["LATE_WINDOW", "LATE_WINDOW_POLICIES", "PATIENCE_MARGIN", "WindowTimer"]
+__all__ = [
+    "LATE_SHARDS",
+    "LATE_SHARD_POLICIES",
+    "LATE_WINDOW",
+    "LATE_WINDOW_POLICIES",
+    "PATIENCE_MARGIN",
+    "WindowTimer",
+]
 
 logger = logging.getLogger("tf_diffmap")
 
@@ -53,6 +60,15 @@ benchmark suite's straggler workload (4 replicas, one 4 times slower,
 digits, Adam), both reached 97% in under 0.5 times MirroredStrategy's time
 (2.44 s filled, 2.70 s closed, 6.67 s; `python -m benchmarks --quick --only
 accuracy`)."""
+
+LATE_SHARD_POLICIES = ("requeue", "skip")
+"""What becomes of a shard whose gradient came after its fresh window was
+taken (the gradient is dropped either way): its examples go back on the
+queue, for another replica (`"requeue"`, on one host), or are counted as
+skipped (`"skip"`)."""
+
+LATE_SHARDS = "skip"
+"""The default of `Strategy(late_shards=...)`: see `LATE_SHARD_POLICIES`."""
 
 PATIENCE_MARGIN = 1.0
 """The default margin of a fresh window's patience, over the median

@@ -108,6 +108,8 @@ class Gate:
             self.fills = tf.Variable(tf.constant(0, tf.int64), trainable=False)
             self.step_examples = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
             self.skipped_examples = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
+            # Of those, the examples whose shard went back on the queue.
+            self.requeued_examples = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
             # The examples of a full window: the largest batch queued so far
             # (0: unknown, and a window is full at one push per replica slot).
             self.target = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_t")
@@ -260,6 +262,14 @@ class Gate:
                     self.timed_pushes.scatter_nd_add(cell, tf.ones([1], tf.int64)),
                 )
 
+    def requeued(self, examples: tf.Tensor) -> tf.Operation:
+        """Counts the examples of a dropped shard put back on the queue:
+        they will be trained on, not skipped."""
+        with tf.device(self.host):
+            return self.requeued_examples.assign_add(
+                tf.cast(examples, tf.float64), read_value=False
+            )
+
     def set_target(self, examples: tf.Tensor) -> tf.Operation:
         """The examples of a full window: at least `examples` (a batch's)."""
         # Batches are queued one after another, by Keras' step: no two
@@ -282,7 +292,8 @@ class Gate:
             closed_short=int(self.closed_short.numpy()),
             fills=int(self.fills.numpy()),
             examples=float(self.step_examples.numpy()),
-            skipped=float(self.skipped_examples.numpy()),
+            skipped=float(self.skipped_examples.numpy() - self.requeued_examples.numpy()),
+            requeued=float(self.requeued_examples.numpy()),
             shard_seconds=self.shard_seconds.numpy().copy(),
             seconds_waiting=self.waited_seconds.numpy().copy(),
             longest_wait=self.longest_wait.numpy().copy(),
@@ -296,6 +307,7 @@ class Gate:
             self.fills,
             self.step_examples,
             self.skipped_examples,
+            self.requeued_examples,
             self.waited_seconds,
             self.longest_wait,
         ):
@@ -314,7 +326,8 @@ class WindowStats:
         fills: times the timer let waiting replicas go to fill a window.
         examples: the examples of every window taken, in all.
         skipped: the examples of gradients not accepted (too stale), in
-            all: every example a replica read is trained on or counted here.
+            all, less those requeued: every example a replica read is
+            trained on, requeued, or counted here.
         shard_seconds: per replica, its average time from a read of the
             parameters to the push of its gradient.
         seconds_waiting: per replica, the time it waited for windows to
@@ -322,6 +335,8 @@ class WindowStats:
         longest_wait: per replica, its longest single wait.
         patience: the patience the timer used for its latest window, in
             seconds (None: no timer, or no window timed yet).
+        requeued: the examples of gradients not accepted whose shards went
+            back on the queue, for another replica (`late_shards="requeue"`).
 
     Examples:
         >>> import numpy as np, tf_diffmap
@@ -353,6 +368,7 @@ class WindowStats:
     seconds_waiting: np.ndarray
     longest_wait: np.ndarray
     patience: float | None = None
+    requeued: float = 0.0
 
     @property
     def examples_per_step(self) -> float:
@@ -365,6 +381,7 @@ class WindowStats:
             f"{self.windows} windows, {self.examples_per_step:.1f} examples each; "
             f"{self.closed_short} closed short, {self.fills} filled{patience}; "
             f"{self.skipped:.0f} examples skipped"
+            + (f", {self.requeued:.0f} requeued" if self.requeued else "")
         ]
         for r, (shard, waiting, longest) in enumerate(
             zip(self.shard_seconds, self.seconds_waiting, self.longest_wait)
