@@ -52,7 +52,9 @@ CONTENDERS = {
         Contender("tf_diffmap_requeue", "tf_diffmap, late shards requeued", asynchronous=True),
         # Asynchronous windows (`max_step_staleness=1`, the default before
         # fresh windows): no replica waits, gradients up to a step stale.
-        Contender("tf_diffmap_async_windows", "tf_diffmap, asynchronous windows", asynchronous=True),
+        Contender(
+            "tf_diffmap_async_windows", "tf_diffmap, asynchronous windows", asynchronous=True
+        ),
         # Every shard's gradient a step of its own (`gradients_per_step=1`), as
         # before aggregation, and where `AsyncOptimizer`'s per-update rules apply.
         Contender("tf_diffmap_per_shard", "tf_diffmap, a step per shard", asynchronous=True),
