@@ -130,11 +130,14 @@ def test_fresh_windows_versions_steps_and_examples_add_up(k):
     _, pushes = _expected_steps(len(x), 32, REPLICAS, 3, 1)
     stats = strategy.statistics()
     windows = strategy.window_statistics()
-    # Every shard is pushed once (a fill's replicas take the next shards).
-    assert strategy.version == pushes == int(stats.updates.sum() + stats.dropped.sum())
+    # Every shard is pushed once, a late one (requeued) once more.
+    assert strategy.version == int(stats.updates.sum() + stats.dropped.sum())
+    assert strategy.version >= pushes
     assert stats.steps == windows.windows == int(model.optimizer.iterations.numpy())
     assert [a.pending() for a in strategy.extended.runtime.aggregations()] == [0]
-    assert int(stats.examples.sum()) == 3 * len(x) == windows.examples + windows.skipped
+    # Pushes count a requeued shard's examples once more.
+    assert int(stats.examples.sum()) == 3 * len(x) + windows.requeued
+    assert windows.examples + windows.skipped == 3 * len(x)
     assert stats.overall_max_step_staleness == 0
     per_step = REPLICAS if k == "auto" else k
     assert windows.examples_per_step <= 32 * per_step / REPLICAS + 8

@@ -205,7 +205,8 @@ class Strategy(_tf_internal.StrategyBase):
             `"requeue"` puts it back on the queue, where another replica
             takes it, so that every example of the epoch is trained on (one
             host only: on a cluster, and for a step with more than one
-            optimizer, its examples are skipped).
+            optimizer, its examples are skipped). A gradient that a
+            staleness rule of `AsyncOptimizer` dropped is not requeued.
         reserved_devices: on a cluster that may grow, the devices of worker
             tasks that are not in it yet (`tf_diffmap.cluster.
             strategy_for_cluster(max_workers=...)` names them). Their

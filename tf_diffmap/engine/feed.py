@@ -153,7 +153,7 @@ class StepFeed:
         # Where a shard whose gradient came too late for its window goes
         # back on the queue (one host: a queued item is the shard itself).
         gate = runtime.requeue_gate() if fetch is None else None
-        late = None if gate is None else Late(runtime.store.dropped_of, gate.requeued, batch_size)
+        late = None if gate is None else Late(gate.late_of, gate.requeued, batch_size)
         first_of = {}
         for replica, device in enumerate(devices):
             shared = devices.count(device) > 1

@@ -472,26 +472,28 @@ class Late:
     whichever shard its taker's input yields next).
 
     Args:
-        dropped_of: `replica_id -> int64`, the updates of the replica
-            dropped so far (`ParameterStore.dropped_of`).
+        late_of: `replica_id -> int64`, the replica's pushes so far that
+            came after their window was taken (`Gate.late_of`; a push a
+            staleness rule dropped is not one: its shard would be dropped
+            again).
         requeued: `examples -> op`, which counts the shard's examples as
             requeued (`Gate.requeued`).
         examples: `shard -> int64 scalar`, the examples of a shard (None
             where it has no batched tensor).
     """
 
-    def __init__(self, dropped_of, requeued, examples):
-        self._dropped_of = dropped_of
+    def __init__(self, late_of, requeued, examples):
+        self._late_of = late_of
         self._requeued = requeued
         self._examples = examples
 
     def before(self, replica_id: tf.Tensor) -> tf.Tensor:
-        return self._dropped_of(replica_id)
+        return self._late_of(replica_id)
 
     def after(
         self, replica_id: tf.Tensor, shard: list[tf.Tensor], before: tf.Tensor, channel
     ) -> tf.Tensor:
-        dropped = self._dropped_of(replica_id) > before
+        dropped = self._late_of(replica_id) > before
 
         def put_back():
             examples = self._examples(shard)

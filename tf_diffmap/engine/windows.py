@@ -68,7 +68,22 @@ queue, for another replica (`"requeue"`, on one host), or are counted as
 skipped (`"skip"`)."""
 
 LATE_SHARDS = "skip"
-"""The default of `Strategy(late_shards=...)`: see `LATE_SHARD_POLICIES`."""
+"""The default of `Strategy(late_shards=...)`: see `LATE_SHARD_POLICIES`.
+
+Requeueing was measured against it on the tuning half of the held-out grid
+(`benchmarks.grid`, 32 conditions, seed 0, 2026-12-07) and the benchmark
+suite's straggler workload. Against synchronous training, requeueing had a
+median gap of -0.1 points (skipping: +0.0), a worst gap where synchronous
+training reaches 0.8 of -3.6 points (skipping: -10.0) and no run under 0.5
+there (neither had); on the second held-out set, seed 0, +0.3, -7.5 and
+none (skipping: +0.0, -9.4, none). On the straggler workload (digits,
+Adam, 4 replicas, one 4 times slower, 5 rounds, `python -m benchmarks
+--quick --only accuracy --repeats 5 --contenders
+mirrored,tf_diffmap,tf_diffmap_requeue`) both reached 97% sooner than
+MirroredStrategy (3.30 s): skipping in 1.83 s (12 epochs), requeueing in
+2.30 s (9 epochs), at final accuracies of 0.972 and 0.975. Requeueing is
+ahead on accuracy on one seed and behind on time; skipping stays the
+default until more seeds have run."""
 
 PATIENCE_MARGIN = 1.0
 """The default margin of a fresh window's patience, over the median

@@ -396,6 +396,12 @@ class Accumulators:
                 skipped = gate.skipped_examples.assign_add(
                     tf.cast(tf.where(ok, 0.0, weight), tf.float64), read_value=False
                 )
+                # Too late for its window (a rule's drop is not).
+                late = tf.logical_and(accepted, tf.logical_not(ok))
+                counted_late = gate.late_pushes.scatter_nd_add(
+                    tf.reshape(tf.cast(fresh.replica_id, tf.int64), [1, 1]),
+                    tf.reshape(tf.cast(late, tf.int64), [1]),
+                )
                 target = gate.target.read_value()
                 full = tf.logical_and(
                     ok,
@@ -413,7 +419,7 @@ class Accumulators:
             window.accepted = tf.identity(ok)
             window.number = tf.where(window.taken, window.number, number)
             window.opening = tf.logical_and(stays, tf.equal(pending, 1))
-            return window, [added, owes, skipped]
+            return window, [added, owes, skipped, counted_late]
 
         with tf.control_dependencies(ready + [weight]):
             window = self._locked_window(section)

@@ -89,6 +89,9 @@ class Gate:
             # The replica that took the window taken last (-1: none of them).
             self.taker = tf.Variable(tf.constant(-1, tf.int64), trainable=False, name=f"{name}_tk")
             self.owed = tf.Variable(zeros, trainable=False, name=f"{name}_owed")
+            # Per replica, its pushes that came after their window was
+            # taken (not those a rule dropped): their shards may be requeued.
+            self.late_pushes = tf.Variable(zeros, trainable=False, name=f"{name}_late")
             self.blocked = tf.Variable(tf.constant(0, tf.int64), trainable=False, name=f"{name}_b")
             # Replicas present (not absent, lost or hung), as the window
             # timer last saw them: once that many pushes are in a window, a
@@ -261,6 +264,12 @@ class Gate:
                     self.shard_seconds.scatter_nd_update(cell, tf.reshape(after, [1])),
                     self.timed_pushes.scatter_nd_add(cell, tf.ones([1], tf.int64)),
                 )
+
+    def late_of(self, replica_id: tf.Tensor) -> tf.Tensor:
+        """The replica's pushes so far that came after their window was
+        taken (in a graph)."""
+        with tf.device(self.host):
+            return tf.gather(self.late_pushes.read_value(), tf.cast(replica_id, tf.int64))
 
     def requeued(self, examples: tf.Tensor) -> tf.Operation:
         """Counts the examples of a dropped shard put back on the queue:

@@ -482,11 +482,6 @@ class ParameterStore:
             counts = self.counters.read_value()
             return tf.gather(counts[:, _UPDATES] + counts[:, _DROPPED], replica_id)
 
-    def dropped_of(self, replica_id) -> tf.Tensor:
-        """Updates of a replica dropped so far (in a graph)."""
-        with tf.name_scope(BOOKKEEPING_SCOPE), tf.device(self.ledger_device):
-            return tf.gather(self.counters.read_value()[:, _DROPPED], replica_id)
-
     def settle_abandoned(self) -> int:
         """With nothing in flight: counts the claims that never completed.
 
