@@ -68,7 +68,10 @@ SCRIPT = textwrap.dedent(
 
     @tf.function
     def eval_step(features):
-        return strategy.run(lambda f: tf.reduce_mean(slow(f)), args=(features,))
+        # One value per replica (the batch split over them), reduced as under
+        # any tf.distribute strategy.
+        per_replica = strategy.run(lambda f: tf.reduce_mean(slow(f)), args=(features,))
+        return strategy.reduce("MEAN", per_replica, axis=None)
 
     gate.enqueue(0)  # the first step after a drain runs in the caller's graph
     train_step(tf.constant(x[:64]))
