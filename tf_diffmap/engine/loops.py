@@ -493,7 +493,7 @@ class Late:
     def after(
         self, replica_id: tf.Tensor, shard: list[tf.Tensor], before: tf.Tensor, channel
     ) -> tf.Tensor:
-        dropped = self._late_of(replica_id) > before
+        late = self._late_of(replica_id) > before
 
         def put_back():
             examples = self._examples(shard)
@@ -501,7 +501,7 @@ class Late:
             with tf.control_dependencies([channel.put_back(shard), *counted]):
                 return tf.constant(True)
 
-        return tf.cond(dropped, put_back, lambda: tf.constant(False))
+        return tf.cond(late, put_back, lambda: tf.constant(False))
 
 
 def drop_function(channel: ShardChannel) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
