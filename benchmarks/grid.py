@@ -14,6 +14,8 @@ step of its own, no rule); the tuning half also runs the candidates.
     python -m benchmarks.grid --part tune --jobs 2      # the tuning half only
     python -m benchmarks.grid --report-only --out DIR   # the tables and plot again
     python -m benchmarks.grid --tune-sync               # the synchronous learning rates
+    python -m benchmarks.grid --part new_held_out --conditions 1023 \
+        --variants sync fresh_fill_m100 --seeds 3 4 5 --out DIR  # one condition, more seeds
 
 Runs are appended to `DIR/runs.jsonl` as they finish (a run already there is
 not run again); `DIR/grid.md`, `DIR/grid.json` and `DIR/grid.png` hold the
@@ -909,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seeds", nargs="*", type=int, default=list(SEEDS), help="only these seeds"
     )
+    parser.add_argument(
+        "--conditions", nargs="*", type=int, help="only the conditions of these ids"
+    )
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--tune-sync", action="store_true")
     parser.add_argument("--models", nargs="*", default=list(DIMENSIONS["model"]))
@@ -920,7 +925,10 @@ def main(argv: list[str] | None = None) -> int:
         tune_sync(args.out, args.models)
         return 0
     if not args.report_only:
-        drive(plan_runs(args.part, args.variants, args.seeds), args.out, args.jobs)
+        runs = plan_runs(args.part, args.variants, args.seeds)
+        if args.conditions:
+            runs = [r for r in runs if r["condition"]["id"] in args.conditions]
+        drive(runs, args.out, args.jobs)
     if args.part != "all" and args.variants:
         # One set, the variants asked for, the seeds asked for.
         variants = [v for v in args.variants if v != "sync"]

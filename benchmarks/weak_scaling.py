@@ -5,10 +5,10 @@ a replica waits on its own accelerator without using the host's CPU, on a
 shard of `--shard` (32) examples: the global batch is 32 N. What is
 measured is how much of N times one replica's examples per second the
 strategy keeps at N replicas, where the replicas' device time overlaps and
-what is left is the host's own work and the waiting: asynchronous windows
-(the default, `max_step_staleness=1`) never wait; fresh windows
-(`max_step_staleness=0`) wait for every replica of a window, up to the
-patience, so the jitter between replicas is what they pay. Each run prints
+what is left is the host's own work and the waiting: fresh windows (the default,
+`max_step_staleness=0`) wait for every replica of a window, up to the
+patience, so the jitter between replicas is what they pay; asynchronous
+windows (`max_step_staleness=1`) never wait. Each run prints
 the jitter it saw: per window, the slowest replica's read-to-push time over
 the median one's (from the gate's per-replica averages, so a lower bound).
 
@@ -31,7 +31,7 @@ import time
 
 __all__ = ["main"]
 
-VARIANTS = {"async (default)": 1, "fresh windows": 0}
+VARIANTS = {"fresh windows (default)": 0, "asynchronous windows": 1}
 DEVICES = 4
 
 
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for replicas in args.replicas:
         for _ in range(args.repeats):
             for name, bound in VARIANTS.items():
-                if replicas == 1 and bound == 0:
-                    continue  # One replica does not aggregate: the same run.
+                if replicas == 1 and bound != 0:
+                    continue  # One replica never waits for another: the same run.
                 env = dict(os.environ, TF_NUM_INTEROP_THREADS=str(replicas + 8))
                 env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
                 command = [sys.executable, "-m", "benchmarks.weak_scaling"]
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 results.setdefault((name, replicas), []).append(row)
                 print(json.dumps({"variant": name, **row}), flush=True)
-    one = [r["examples_per_second"] for r in results.get(("async (default)", 1), [])]
+    one = [r["examples_per_second"] for r in results.get(("fresh windows (default)", 1), [])]
     if not one:
         return 0
     base = sorted(one)[len(one) // 2]
