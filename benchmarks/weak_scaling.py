@@ -100,8 +100,9 @@ def _run(replicas: int, bound: int, device_ms: float, shard: int, seconds: float
         "dropped": int(stats.dropped.sum()),
     }
     windows = strategy.window_statistics()
-    if windows is not None and replicas > 1:
-        shard_seconds = windows.shard_seconds[windows.shard_seconds > 0]
+    shard_seconds = None if windows is None else windows.shard_seconds[windows.shard_seconds > 0]
+    if shard_seconds is not None and replicas > 1 and len(shard_seconds):
+        # Fresh windows time every replica's shards; asynchronous ones do not.
         result.update(
             closed_short=windows.closed_short,
             windows=windows.windows,
