@@ -248,7 +248,9 @@ class Aggregation:
         """Takes the penalties of these variables that the step's loss
         left to the store (`tf_diffmap.updates.penalties`)."""
         penalties = {
-            i: state.penalized[id(v)][1] for i, v in enumerate(variables) if id(v) in state.penalized
+            i: state.penalized[id(v)][1]
+            for i, v in enumerate(variables)
+            if id(v) in state.penalized
         }
         state.penalties_taken.update(id(variables[i]) for i in penalties)
         if self.penalties is None:
