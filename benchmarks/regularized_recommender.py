@@ -39,8 +39,9 @@ USERS, MOVIES, RATINGS, WIDTH = 610, 9_724, 100_836, 50
 rng = np.random.default_rng(0)
 u, v = rng.normal(0, 0.5, (USERS, 4)), rng.normal(0, 0.5, (MOVIES, 4))
 popularity = 1.0 / np.arange(1, MOVIES + 1) ** 0.8
+users = rng.integers(USERS, size=RATINGS)
 movies = rng.choice(MOVIES, size=RATINGS, p=popularity / popularity.sum())
-pairs = np.stack([rng.integers(USERS, size=RATINGS), movies], axis=1).astype("int64")
+pairs = np.stack([users, movies], axis=1).astype("int64")
 score = 3.5 + np.sum(u[pairs[:, 0]] * v[pairs[:, 1]], axis=1) + rng.normal(0, 0.4, RATINGS)
 stars = np.clip(np.round(score * 2) / 2, 0.5, 5.0)
 ratings = ((stars - 0.5) / 4.5).astype("float32")
