@@ -1,10 +1,14 @@
 """An epoch of a regularized recommender: plain Keras and tf_diffmap checkouts, side by side.
 
 `python -m benchmarks.regularized_recommender CHECKOUT [CHECKOUT ...]
-[--rounds N] [--async-windows]` runs, in a fresh process each and in turn
-every round, plain Keras and tf_diffmap from each checkout (a directory
-holding `tf_diffmap/`), and prints each run's epoch time, the medians, and
-each contender's ratio to plain Keras in the same round (and their median).
+[--rounds N] [--epochs E] [--async-windows]` runs, every round, one fresh
+process per checkout (a directory holding `tf_diffmap/`), in turn. Each
+process trains plain Keras and tf_diffmap side by side: after one untimed
+epoch of each (the first traces the functions) it times E epochs of each,
+alternating epoch by epoch (the order reversed every second pair), so that
+a shared host's load, which drifts over seconds, weighs on both alike. It
+prints each epoch pair's times and ratio, and per checkout the median
+epoch times and the median of the pairs' ratios to plain Keras.
 
 The workload is keras-io's MovieLens recommender ("Collaborative Filtering
 for Movie Recommendations") at the size of ml-latest-small: 610 users and
@@ -14,9 +18,9 @@ example writes it (`tensordot(user, movie, 2)`), through a sigmoid; Adam
 (1e-3), binary cross-entropy, batch 64, 90,752 training ratings
 (synthetic, low-rank). tf_diffmap runs its defaults (fresh windows) on 4
 logical CPU devices, and with `--async-windows` asynchronous windows
-(`max_step_staleness=1`) too. An epoch's time is the second epoch's
-(the first traces the functions). It says what the regularizer's dense
-table gradients cost per step; it says nothing of convergence.
+(`max_step_staleness=1`) too, a third model in the same process. It says
+what the regularizer's dense table gradients cost per step; it says
+nothing of convergence.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 _RUN = """
 import os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-checkout, mode = sys.argv[1], sys.argv[2]
+checkout, modes, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, checkout)
 import tf_diffmap
 tf_diffmap.split_devices(4, "CPU")
@@ -65,82 +69,103 @@ class Recommender(keras.Model):
         return tf.nn.sigmoid(dot + self.user_bias(inputs[:, 0]) + self.movie_bias(inputs[:, 1]))
 
 
-class Epochs(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
+def build(strategy):
+    with strategy.scope():
+        model = Recommender()
+        model.compile(keras.optimizers.Adam(1e-3), keras.losses.BinaryCrossentropy())
+    return model
 
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds = time.perf_counter() - self.start
+
+def epoch(model):
+    start = time.perf_counter()
+    history = model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    return time.perf_counter() - start, history.history["loss"][-1]
 
 
-if mode == "plain":
-    scope = tf.distribute.get_strategy().scope()
-else:
-    strategy = tf_diffmap.Strategy(max_step_staleness=0 if mode == "fresh" else 1)
-    scope = strategy.scope()
-with scope:
-    model = Recommender()
-    model.compile(keras.optimizers.Adam(1e-3), keras.losses.BinaryCrossentropy())
-timer = Epochs()
-history = model.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[timer])
-print(timer.seconds, history.history["loss"][-1])
+contenders = {"plain": build(tf.distribute.get_strategy())}
+for mode in modes.split(","):
+    bound = 0 if mode == "fresh" else 1
+    contenders[mode] = build(tf_diffmap.Strategy(max_step_staleness=bound))
+for model in contenders.values():
+    epoch(model)
+names = list(contenders)
+for index in range(epochs):
+    order = names if index % 2 == 0 else names[::-1]
+    times = {}
+    for name in order:
+        times[name] = epoch(contenders[name])
+    print(" ".join(f"{name}={times[name][0]:.3f},{times[name][1]:.4f}" for name in names))
 """
 
 MODES = {"fresh": "fresh windows (default)", "async": "asynchronous windows"}
 
 
-def one_run(checkout: str, mode: str) -> tuple[float, float]:
-    """(seconds of the second epoch, its training loss) of one fresh process."""
+def one_run(checkout: str, modes: list[str], epochs: int) -> list[dict]:
+    """Per timed epoch pair, `{contender: (seconds, loss)}`, of one fresh process."""
     result = subprocess.run(
-        [sys.executable, "-c", _RUN, checkout, mode], capture_output=True, text=True, check=False
+        [sys.executable, "-c", _RUN, checkout, ",".join(modes), str(epochs)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"The {mode} run of {checkout} failed:\n{result.stderr[-3000:]}")
-    seconds, loss = result.stdout.split()[-2:]
-    return float(seconds), float(loss)
+        raise RuntimeError(f"The run of {checkout} failed:\n{result.stderr[-3000:]}")
+    pairs = []
+    for line in result.stdout.splitlines()[-epochs:]:
+        pair = {}
+        for item in line.split():
+            name, figures = item.split("=")
+            seconds, loss = figures.split(",")
+            pair[name] = (float(seconds), float(loss))
+        pairs.append(pair)
+    return pairs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkouts", nargs="+", help="directories holding tf_diffmap/")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (default 2)")
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="timed epochs of each, per process (default 3)"
+    )
     parser.add_argument(
         "--async-windows", action="store_true", help="asynchronous windows too (bound 1)"
     )
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, received {args.rounds}")
+    if args.rounds < 1 or args.epochs < 1:
+        parser.error("--rounds and --epochs must be at least 1")
     modes = ["fresh", "async"] if args.async_windows else ["fresh"]
-    contenders = [("plain Keras", args.checkouts[0], "plain")]
-    contenders += [(f"{c}: {MODES[m]}", c, m) for c in args.checkouts for m in modes]
-    seconds: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
-    ratios: dict[str, list[float]] = {name: [] for name, _, _ in contenders[1:]}
+    seconds: dict[tuple[str, str], list[float]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
     for index in range(args.rounds):
-        # In turn, the order reversed every second round, so that the
-        # host's load drifts over every contender alike.
-        order = contenders if index % 2 == 0 else contenders[::-1]
-        this_round = {}
-        for name, checkout, mode in order:
-            took, loss = one_run(checkout, mode)
-            this_round[name] = took
-            seconds[name].append(took)
-            print(f"round {index + 1}: {name}: {took:.1f} s an epoch (loss {loss:.4f})", flush=True)
-        for name in ratios:
-            ratios[name].append(this_round[name] / this_round["plain Keras"])
-        print(
-            f"round {index + 1}: "
-            + ", ".join(f"{name} {ratios[name][-1]:.2f}x" for name in ratios),
-            flush=True,
-        )
-    for name, times in seconds.items():
-        line = f"{name}: median {statistics.median(times):.1f} s an epoch"
-        line += f" ({min(times):.1f}-{max(times):.1f})"
-        if name in ratios:
-            line += (
-                f", {statistics.median(ratios[name]):.2f}x plain Keras "
-                f"(rounds {min(ratios[name]):.2f}-{max(ratios[name]):.2f}x)"
-            )
-        print(line)
+        order = args.checkouts if index % 2 == 0 else args.checkouts[::-1]
+        for checkout in order:
+            for pair in one_run(checkout, modes, args.epochs):
+                plain = pair["plain"][0]
+                for name, (took, _) in pair.items():
+                    seconds.setdefault((checkout, name), []).append(took)
+                    if name != "plain":
+                        ratios.setdefault((checkout, name), []).append(took / plain)
+                shown = ", ".join(
+                    f"{name} {took:.1f} s (loss {loss:.4f})" for name, (took, loss) in pair.items()
+                )
+                ratio = ", ".join(
+                    f"{MODES[m]} {pair[m][0] / plain:.2f}x" for m in modes if m in pair
+                )
+                print(f"round {index + 1}: {checkout}: {shown}; {ratio}", flush=True)
+    for checkout in args.checkouts:
+        for name in ["plain", *modes]:
+            times = seconds[(checkout, name)]
+            label = "plain Keras" if name == "plain" else MODES[name]
+            line = f"{checkout}: {label}: median {statistics.median(times):.1f} s an epoch"
+            line += f" ({min(times):.1f}-{max(times):.1f})"
+            if name != "plain":
+                pairs = ratios[(checkout, name)]
+                line += (
+                    f", {statistics.median(pairs):.2f}x plain Keras beside it "
+                    f"(median of {len(pairs)} pairs, {min(pairs):.2f}-{max(pairs):.2f}x)"
+                )
+            print(line)
     return 0
 
 

@@ -9,10 +9,13 @@ import pytest
 import tensorflow as tf
 
 import tf_diffmap
+from tf_diffmap import _tf_internal
 from tf_diffmap.store.accumulators import _Dense, _Sparse
 from tf_diffmap.updates import aggregation, penalties
 
-ROWS = 60
+# A table of 320 KiB: large enough that a replica step reads it by rows
+# (`_tf_internal.ROWS_READ_BYTES`), the penalty's read whole.
+ROWS = 20_000
 
 
 class _no_scope:
@@ -46,7 +49,7 @@ def _model(bias_regularizer=None):
 
 def _data(n=64, seed=0):
     rng = np.random.default_rng(seed)
-    # Rows 48-59 are never looked up: only the penalty moves them.
+    # Rows 48 and up are never looked up: only the penalty moves them.
     x = rng.integers(0, 48, size=(n, 3)).astype("int32")
     y = (x.sum(axis=1) % 2).astype("int32")
     return x, y
@@ -70,6 +73,10 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.05),
     # The loss is scaled by 64, every gradient unscaled by the optimizer.
     "sgd_loss_scaled": lambda: keras.optimizers.SGD(0.5, loss_scale_factor=64.0),
+    # Unscaled per push by the wrapper; the store's penalty is not scaled.
+    "loss_scale_optimizer": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5), initial_scale=256.0
+    ),
 }
 
 
@@ -79,6 +86,7 @@ def test_regularized_steps_equal_plain_keras_and_the_table_is_pushed_sparse(opti
     replicas equal plain Keras' 8 steps with the same regularizers, the
     rows no lookup touches included (only the penalty moves them), and the
     reported loss (the penalties' value included) is plain Keras' too."""
+    assert ROWS * 4 * 4 >= _tf_internal.ROWS_READ_BYTES  # the table is read by rows
     weights = _model().get_weights()
     plain, plain_loss = _fit(None, OPTIMIZERS[optimizer], weights, batch_size=16, epochs=2)
     strategy = tf_diffmap.Strategy(patience_margin=1e4)
@@ -181,6 +189,52 @@ def test_a_custom_train_step_s_own_penalty_stays_per_replica_and_is_named_once()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+class OwnTableUpdate(keras.Model):
+    """A custom `train_step` that takes the penalties from `model.losses`
+    but updates the table itself, not through the optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _model()
+
+    def call(self, inputs):
+        return self.body(inputs)
+
+    def train_step(self, data):
+        x, y = data
+        table = self.body.get_layer("table").embeddings
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        rest = [(g, v) for g, v in zip(grads, variables) if v is not table]
+        self.optimizer.apply_gradients(rest)
+        table.assign_sub(0.5 * tf.convert_to_tensor(grads[variables.index(table)]))
+        return {"loss": loss}
+
+
+def test_a_penalty_no_aggregated_optimizer_applies_stays_in_the_replica_s_gradient():
+    """The table's gradient, penalty included, is applied by the step
+    itself: nothing is split (the step is traced again without), the rows
+    only the penalty moves move, and a warning says so once."""
+    penalties._warned.clear()
+    x, y = _data()
+    strategy = tf_diffmap.Strategy(patience_margin=1e4)
+    with strategy.scope():
+        model = OwnTableUpdate()
+        model.compile(
+            keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    before = model.body.get_layer("table").embeddings.numpy()
+    with pytest.warns(UserWarning, match="not applied through an optimizer") as caught:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert sum("not applied through" in str(w.message) for w in caught) == 1
+    (taken,) = strategy.extended.runtime.aggregations()
+    assert taken.penalties == {}
+    after = model.body.get_layer("table").embeddings.numpy()
+    assert np.abs(after[48:] - before[48:]).max() > 1e-3
 
 
 def test_regularizers_are_as_they_were_after_tracing():

@@ -236,9 +236,10 @@ def warn_unsplit(step_name: str, names: Sequence[str], taken: bool) -> None:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     if taken:
         what = (
-            f"the gradients of {shown} are not applied by an optimizer that "
-            "tf_diffmap aggregates, so every replica computes their "
-            "regularizers' gradients and applies them with its own, as before"
+            f"the gradients of {shown} are not applied through an optimizer that "
+            "tf_diffmap aggregates (a step that updates them itself?), so their "
+            "regularizers' gradients stay in each replica's gradient, as the step "
+            "computes them"
         )
     else:
         what = (
