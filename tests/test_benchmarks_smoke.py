@@ -651,6 +651,44 @@ def test_checkouts_refuses_no_rounds():
 
 
 @pytest.mark.slow
+def test_the_regularized_recommender_prints_each_pair_and_the_ratios():
+    """`benchmarks.regularized_recommender` times plain Keras and
+    tf_diffmap epoch by epoch in one process and prints their ratio."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.regularized_recommender",
+            str(ROOT),
+            "--rounds",
+            "1",
+            "--epochs",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("round 1: ") for line in lines) == 1
+    assert "fresh windows (default)" in lines[0] and lines[0].endswith("x")
+    assert "x plain Keras beside it (median of 1 pairs" in lines[-1]
+
+
+def test_the_regularized_recommender_refuses_no_rounds():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.regularized_recommender", "a", "--rounds", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "must be at least 1" in result.stderr
+
+
+@pytest.mark.slow
 def test_smoke_embeddings(tmp_path):
     """The embedding workload runs both contenders at both table sizes and
     reports its three targets from their rows."""

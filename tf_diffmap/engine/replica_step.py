@@ -30,6 +30,12 @@ from tf_diffmap.updates.aggregation import (
     optimizers_of,
     warn_if_not_aggregated,
 )
+from tf_diffmap.updates.penalties import (
+    models_of,
+    regularized_variables,
+    split_penalties,
+    warn_unsplit,
+)
 from tf_diffmap.updates.step import StepState, tracing_step
 
 if TYPE_CHECKING:
@@ -188,7 +194,13 @@ class ReplicaStep:
         }
         gates = [a.gate for a in aggregations.values() if a.fresh]
 
-        def on_device(device):
+        # Where the strategy aggregates, a weight regularizer's gradient is
+        # added once per optimizer step on the store, and replicas push
+        # their data's gradient only (`tf_diffmap.updates.penalties`).
+        regularized = regularized_variables(models_of(fn)) if optimizers else []
+        states: list[StepState] = []
+
+        def on_device(device, split):
             def step(replica_id, *tensors):
                 args, kwargs = self.pack(tensors)
                 with tf.device(runtime.client_host if counted_on_host else device):
@@ -204,6 +216,8 @@ class ReplicaStep:
                         aggregating=runtime.aggregates,
                         gates=gates,
                     )
+                    state.splits_penalties = split
+                    states.append(state)
                     with tracing_step(state):
                         reads = [state.read_version, *state.window_reads.values()]
                         with tf.control_dependencies(reads):
@@ -222,12 +236,10 @@ class ReplicaStep:
 
             return step
 
-        install_summary_state()
-        keras.config.set_dtype_policy(dtype_policy)
-        with strategy.scope():
-            with aggregating(optimizers, runtime.aggregation_for):
+        def trace_all(split):
+            with split_penalties(regularized if split else []):
                 for device in dict.fromkeys(runtime.compute_devices):
-                    function = tf.function(on_device(device), autograph=False)
+                    function = tf.function(on_device(device, split), autograph=False)
                     self.concretes[device] = function.get_concrete_function(
                         tf.TensorSpec([], tf.int32), *self.specs
                     )
@@ -236,6 +248,28 @@ class ReplicaStep:
                         # whole on the first device; on one host it is split
                         # over every replica's device.
                         break
+
+        install_summary_state()
+        keras.config.set_dtype_policy(dtype_policy)
+        step_name = getattr(inspect_target(fn), "__qualname__", repr(fn))
+        with strategy.scope():
+            with aggregating(optimizers, runtime.aggregation_for):
+                trace_all(bool(regularized))
+                untaken = {k: v for s in states for k, (v, _) in s.penalized.items()}
+                for state in states:
+                    for key in state.penalties_taken:
+                        untaken.pop(key, None)
+                if untaken:
+                    # A penalty left to the store that no aggregation takes:
+                    # traced again, every replica computing its gradient.
+                    warn_unsplit(step_name, [v.path for v in untaken.values()], taken=True)
+                    for aggregation in aggregations.values():
+                        aggregation.penalties = None
+                    self.concretes.clear()
+                    del trains[:], pushed[:], plain_writes[:], states[:]
+                    trace_all(False)
+                elif trains[0] and states and states[0].splits_penalties:
+                    _warn_if_penalties_unseen(step_name, regularized, states, aggregations)
             # What applies a window that is not full, at a drain: traced now,
             # while every task serves.
             for optimizer in optimizers:
@@ -244,7 +278,7 @@ class ReplicaStep:
         self.trains = trains[0]
         self.plain_writes = plain_writes
         if self.trains and runtime.aggregates and not pushed[0]:
-            warn_if_not_aggregated(getattr(inspect_target(fn), "__qualname__", repr(fn)))
+            warn_if_not_aggregated(step_name)
 
     # -- structure -----------------------------------------------------------
 
@@ -294,6 +328,17 @@ class ReplicaStep:
     def _drain(self):
         self.runtime.drain_from_graph()
         return True
+
+
+def _warn_if_penalties_unseen(step_name, regularized, states, aggregations) -> None:
+    """Says so where a regularized variable that an aggregation steps had
+    no penalty left to the store (the step's loss did not take it from
+    `model.losses`): whatever penalty the step adds stays per replica."""
+    aggregated = {id(v) for a in aggregations.values() for v in a.variables or ()}
+    seen = {key for state in states for key in state.penalized}
+    unseen = [v for v in regularized if id(v) in aggregated and id(v) not in seen]
+    if unseen:
+        warn_unsplit(step_name, [v.path for v in unseen], taken=False)
 
 
 def eager_py_functions(concrete) -> list[str]:

@@ -63,6 +63,7 @@ from tf_diffmap.store.accumulators import Accumulators, FreshPush, Window, locke
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.updates.optimizer import optimizer_chain
+from tf_diffmap.updates.penalties import add_penalty_gradients
 from tf_diffmap.updates.step import StepState, current_step, tracing_step
 
 __all__ = ["Aggregation", "aggregating", "innermost", "optimizers_of", "warn_if_not_aggregated"]
@@ -152,6 +153,9 @@ class Aggregation:
         self.gate = gate
         self.accumulators: Accumulators | None = None
         self.variables: list | None = None
+        # Variable index -> regularizer: the penalties whose gradient the
+        # step adds (`tf_diffmap.updates.penalties`), set by the first trace.
+        self.penalties: dict | None = None
         self._flush_concrete = None
         self._close_concrete = None
         self._settle_lost_concrete = None
@@ -191,6 +195,7 @@ class Aggregation:
                 optimizer.build(variables)
             optimizer.built = True
         self._adopt(variables)
+        self._adopt_penalties(state, variables)
         grads = list(grads)
         claim = state.claim(after=grads, record=False)
         accepted = tf.constant(True) if claim.keep is None else claim.keep
@@ -239,6 +244,30 @@ class Aggregation:
                 "Strategy(gradients_per_step=1)."
             )
 
+    def _adopt_penalties(self, state: StepState, variables: Sequence) -> None:
+        """Takes the penalties of these variables that the step's loss
+        left to the store (`tf_diffmap.updates.penalties`)."""
+        penalties = {
+            i: state.penalized[id(v)][1]
+            for i, v in enumerate(variables)
+            if id(v) in state.penalized
+        }
+        state.penalties_taken.update(id(variables[i]) for i in penalties)
+        if self.penalties is None:
+            self.penalties = penalties
+            return
+        if {i: id(r) for i, r in penalties.items()} != {
+            i: id(r) for i, r in self.penalties.items()
+        }:
+            raise ValueError(
+                f"A training step of {type(self.optimizer).__name__} left the "
+                f"regularizers of {len(penalties)} variables to the store after "
+                f"another left those of {len(self.penalties)}. tf_diffmap adds a "
+                "regularizer's gradient on the store in every step of an optimizer "
+                "or in none: keep the model's regularizers as they were when it "
+                "first trained under this strategy, or compile a new optimizer."
+            )
+
     def _step_if_taken(self, window: Window) -> tf.Tensor:
         """One step of the optimizer on the window's mean, if a window with
         an accepted gradient was taken, and the store's count of it; then
@@ -251,7 +280,12 @@ class Aggregation:
         """
 
         def step():
-            self._original_apply(window.gradients(self.replicas), self.variables)
+            gradients = window.gradients(self.replicas)
+            if self.penalties:
+                gradients = add_penalty_gradients(
+                    gradients, self.variables, self.penalties, self.optimizer
+                )
+            self._original_apply(gradients, self.variables)
             return tf.constant(True)
 
         gate = self.gate

@@ -71,6 +71,11 @@ class StepState:
         pushed: whether an aggregated push was traced.
         sparse_updates: `"lazy"` (rows only) or `"dense"` (Keras' update),
             for the step's `IndexedSlices` gradients (`tf_diffmap.updates.sparse`).
+        splits_penalties: whether weight regularizers give this step their
+            value and no gradient (`tf_diffmap.updates.penalties`).
+        penalized: per Keras variable id, `(variable, regularizer)` of each
+            penalty whose gradient the step's loss left to the store.
+        penalties_taken: the ids of those an aggregation took.
     """
 
     def __init__(
@@ -99,6 +104,9 @@ class StepState:
         # How an `IndexedSlices` gradient is applied (`tf_diffmap.updates.sparse`);
         # `AsyncOptimizer(sparse_updates=...)` sets it for its updates.
         self.sparse_updates = "lazy"
+        self.splits_penalties = False
+        self.penalized: dict[int, tuple[Any, Any]] = {}
+        self.penalties_taken: set[int] = set()
         self._claims: dict[Any, Claim] = {}
         self._deferred: dict[Any, list] = {}
         # Filled on first use: the step graph's first read of each variable.
