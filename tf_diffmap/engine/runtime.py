@@ -296,12 +296,15 @@ class Runtime:
         ]
 
     def _present_replicas(self) -> list[int]:
+        """The replicas a fresh window waits for: not absent, lost, or
+        leaving (a leaving replica pushes nothing more)."""
         absent = set(self.absent_replicas())
         states = [feed.states() for feed in self.feeds()]
+        gone = (ReplicaState.LOST, ReplicaState.LEAVING)
         return [
             r
             for r in range(len(self.replica_devices))
-            if r not in absent and all(s[r] is not ReplicaState.LOST for s in states)
+            if r not in absent and all(s[r] not in gone for s in states)
         ]
 
     def _timer_failed(self, error: BaseException) -> None:
@@ -532,17 +535,22 @@ class Runtime:
         end, the data is split anew over the others, and what its input
         held on it is let go while it still serves.
 
+        A background event: the wait for the leaving replicas' calls holds
+        no lock that a step, a new input or a rejoining worker takes, and
+        the windows stop counting them at once (`_present_replicas`), so
+        the others train on throughout.
+
         Returns:
             The replicas whose calls did not end within `timeout`.
         """
+        stuck: list[int] = []
+        for feed in self.feeds():
+            stuck.extend(feed.leave(replica_ids, timeout))
         with self._members_lock:
-            stuck: list[int] = []
-            for feed in self.feeds():
-                stuck.extend(feed.leave(replica_ids, timeout))
             self.record.mark_absent(replica_ids)
             if self.worker_input is not None:
                 self.worker_input.reshard(self.lost_tasks(), self.absent_tasks())
-            return sorted(set(stuck))
+        return sorted(set(stuck))
 
     def group_of(self, replica_id: int) -> list[int]:
         """The replicas that hang with one (`workers.HangHandler`)."""

@@ -242,6 +242,15 @@ class ReplicaLoops(HungCalls):
         off the queue, finishes the shard its call holds (a call waiting for
         an item gives the item back) and ends; then it is ABSENT.
 
+        A call that waits in the queue's dequeue would end only when an item
+        reaches it, and none may come for a while (Keras' step is between
+        batches, or held up): one STOP per leaving call is queued with the
+        fence, so that each ends at once. A fenced call gives its STOP back,
+        and a running replica that takes a STOP while the loops are not
+        stopping passes it by, so a STOP left over changes nothing. The
+        others take shards throughout: nothing here holds their lock while
+        it waits.
+
         Args:
             replica_ids: the replicas of the worker that leaves.
             timeout: seconds to wait for their calls to end; None: for ever.
@@ -270,6 +279,8 @@ class ReplicaLoops(HungCalls):
                     self._move(r, ReplicaState.ABSENT)
             self._progress.notify_all()
         self.runner.fence(list(replica_ids), True)
+        if ending:
+            self.runner.send_stops(len(ending))
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in ending:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
