@@ -81,7 +81,6 @@ def parse_local_spec(text: str) -> dict[str, int]:
     return counts
 
 
-
 def main(argv: list[str] | None = None) -> int:
     """`python -m tf_diffmap.cluster`: serve one task, or try a cluster locally.
 

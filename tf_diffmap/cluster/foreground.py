@@ -16,6 +16,7 @@ from tf_diffmap.cluster.supervisor import Supervisor
 
 __all__ = ["run_local"]
 
+
 class _Stop(Exception):
     """SIGTERM, turned into an exception so that the cluster is stopped in order."""
 
