@@ -23,7 +23,7 @@ cluster on one machine, `python -m tf_diffmap.cluster --local workers=2,ps=1`
 or `LocalCluster` start the worker and ps processes.
 
 Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
-`server` (`serve`), `cli` (`main`, the command line), `local`
+`server` (`serve`), `cli` (`main`, the command line, and `parse_local_spec`), `local`
 (`LocalCluster`), `foreground` (`run_local`: `--local`), `supervisor`
 (`--local`'s restarts), `faults` (lost tasks and their replicas:
 `ClusterRecord`), `inputs` (input built on the workers: `WorkerInput`),
