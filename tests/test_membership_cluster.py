@@ -234,8 +234,16 @@ def test_a_worker_that_leaves_under_cpu_load_stalls_nothing(tmp_path):
     ends = report["step_ends"]
     # From the step before the SIGTERM to the first after the worker exited.
     during = longest_gap(ends, signalled["at"], left["at"])
+    overall = longest_gap(ends, ends[0], ends[-1])
+    leave_line = next(line for line in report["logged"] if "left after" in line)
+    # The figures behind docs/cluster.md ("How a worker leaves"): pytest -s shows them.
+    print(
+        f"leave {left['seconds']:.2f} s, longest gap while leaving {during:.2f} s, "
+        f"over the run {overall:.2f} s; {leave_line}"
+    )
     assert during < LEAVE_GAP, (during, left)
-    assert left["seconds"] < LEAVE_GAP, left
+    # The worker's own wait: as in the other leave tests.
+    assert left["seconds"] < 15, left
     assert report["states"][2] == "absent" and report["slots"]["2"] == "empty"
 
 
