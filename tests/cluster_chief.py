@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+# Where a chief notes each task it pauses, under its TMPDIR (`pause_task`).
+PAUSED_TASKS = "paused_tasks"
 
 
 def chief_env(tmp_path: Path, log_level: str = "3", **more: str) -> dict[str, str]:
@@ -38,13 +42,18 @@ def run_chief_script(
 ) -> dict:
     """Runs `source` with `args` as a chief; returns the JSON of its last
     line of output (with its standard error as `"stderr"` if asked)."""
-    result = subprocess.run(
-        [sys.executable, "-c", source, *args],
-        env=chief_env(tmp_path, log_level),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", source, *args],
+            env=chief_env(tmp_path, log_level),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        # A chief that timed out was killed before it could resume a task it
+        # paused: stopped, that task would never read the end of its input.
+        resume_paused_tasks(tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     if with_stderr:
@@ -88,3 +97,47 @@ def record_fit_error(report: dict, error: Exception) -> None:
     report["seconds"] = time.monotonic() - report.get("killed_at", time.monotonic())
     details = getattr(error, "runtime_error", None)
     report["runtime_error"] = [type(details).__name__, str(details)]
+
+
+def pause_task(pid: int) -> None:
+    """Pauses a task of the chief's cluster (SIGSTOP), from the chief, noting
+    its pid and start time first under the chief's TMPDIR, so that the test
+    resumes and stops it if the chief is killed first (`resume_paused_tasks`)."""
+    with open(Path(os.environ["TMPDIR"]) / PAUSED_TASKS, "a") as noted:
+        noted.write(f"{pid} {_start_time(pid)}\n")
+    os.kill(pid, signal.SIGSTOP)
+
+
+def resume_paused_tasks(tmp_path: Path) -> list[int]:
+    """Resumes (SIGCONT) and ends (SIGTERM) each task a chief under
+    `tmp_path` paused that still runs, found by its pid and start time (a pid
+    used again by another process is left alone).
+
+    Returns:
+        The pids signalled.
+    """
+    noted = Path(tmp_path) / PAUSED_TASKS
+    if not noted.exists():
+        return []
+    signalled = []
+    for line in noted.read_text().splitlines():
+        pid, started = (int(word) for word in line.split())
+        if _start_time(pid) != started:
+            continue  # gone (the chief resumed it and its cluster stopped it)
+        for signum in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                break
+        signalled.append(pid)
+    return signalled
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (-1: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    # After the command's name, in parentheses: field 22 is the start time.
+    return int(stat.rpartition(")")[2].split()[19])

@@ -14,10 +14,12 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from cluster_chief import run_chief_script
 
+import tf_diffmap
 from tf_diffmap import cluster
 from tf_diffmap.cluster import parse_local_spec
 
@@ -401,13 +403,20 @@ def test_the_command_keeps_tensorflows_informational_lines_out():
     """`python -m tf_diffmap.cluster` sets TF_CPP_MIN_LOG_LEVEL=1 unless it is
     set: a server's log holds no session options dump, nor TensorFlow's
     start-up lines (but the oneDNN notice, written before the level is
-    read, see docs/troubleshooting.md)."""
+    read, see docs/troubleshooting.md). The server serves one worker task
+    until its standard input, empty, ends."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    (port,) = cluster.local.free_ports(1)
+    env["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}
+    )
+    server = ["-m", "tf_diffmap.cluster", "--exit-when-stdin-closes"]
 
     def informational(args: list[str], **more: str) -> list[str]:
         result = subprocess.run(
             [sys.executable, *args],
             env={**env, **more},
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=120,
@@ -421,9 +430,61 @@ def test_the_command_keeps_tensorflows_informational_lines_out():
 
     if not informational(["-c", "import tensorflow"]):
         pytest.skip("TensorFlow writes no informational line at start-up here")
-    assert informational(["-m", "tf_diffmap.cluster", "--help"]) == []
+    assert informational(server) == []
     # A level that is set is kept.
-    assert informational(["-m", "tf_diffmap.cluster", "--help"], TF_CPP_MIN_LOG_LEVEL="0")
+    assert informational(server, TF_CPP_MIN_LOG_LEVEL="0")
+
+
+def _command_line(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Runs `python -X importtime -m tf_diffmap.cluster ARGS` on this checkout;
+    returns the result and the modules it imported."""
+    checkout = str(Path(tf_diffmap.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tf_diffmap.cluster", *args],
+        env={**os.environ, "PYTHONPATH": path},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    imported = [
+        line.rpartition("|")[2].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    ]
+    return result, imported
+
+
+def test_help_and_argument_errors_answer_without_importing_tensorflow():
+    result, imported = _command_line("--help")
+    assert result.returncode == 0 and "--join" in result.stdout, result.stderr[-2000:]
+    assert "tf_diffmap.cluster.cli" in imported  # -X importtime listed the imports
+    assert not [m for m in imported if m.split(".")[0] in ("tensorflow", "keras")]
+    for args, message in [
+        (["--logical-cpus", "0"], "--logical-cpus needs N >= 1"),
+        (["--local", "chief=1"], "unknown job 'chief'"),
+        (["--address", "127.0.0.1"], "--address goes with --join"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ]:
+        result, imported = _command_line(*args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+        assert not [m for m in imported if m.split(".")[0] in ("tensorflow", "keras")], args
+
+
+def test_the_packages_names_load_on_first_use_as_they_are_imported():
+    """Under `python -m tf_diffmap.cluster` the names of `tf_diffmap` and
+    `tf_diffmap.cluster` load from their `_HOMES` on first use: the same
+    objects the imports give everywhere else, and every name."""
+    import importlib
+
+    for package in (tf_diffmap, cluster):
+        exported = set(package.__all__) - {"__version__"}
+        assert set(package._HOMES) == exported, package.__name__
+        for name, home in package._HOMES.items():
+            module = importlib.import_module(home)
+            found = getattr(module, name, module)  # `tf_diffmap.testing` is a module
+            assert found is getattr(package, name), (package.__name__, name)
 
 
 @pytest.mark.slow

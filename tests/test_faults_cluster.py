@@ -25,7 +25,7 @@ CHIEF = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
     import keras, numpy as np, tensorflow as tf
-    from cluster_chief import record_fit_error, toy_task
+    from cluster_chief import pause_task, record_fit_error, toy_task
     from tf_diffmap import cluster
 
     scenario, workers = sys.argv[1], int(sys.argv[2])
@@ -70,7 +70,7 @@ CHIEF = textwrap.dedent(
                     local.kill("ps", 0)
                 if scenario == "paused" and (epoch, batch) == (1, 0):
                     # Paused, not dead: its connections stay open.
-                    os.kill(local.pids[("worker", 2)], signal.SIGSTOP)
+                    pause_task(local.pids[("worker", 2)])
                 if scenario == "all_lost" and (epoch, batch) == (0, 10):
                     report["killed_at"] = time.monotonic()
                     local.kill("worker", 0)

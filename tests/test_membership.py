@@ -178,3 +178,35 @@ def test_routine_joins_and_leaves_are_info_and_a_refused_join_warns(monkeypatch,
         assert [r for r in caplog.records if r.levelname == "WARNING"] == []
     finally:
         m.stop()
+
+
+def test_a_leave_waits_for_its_replicas_without_holding_the_members_lock():
+    """While a leaving worker's replicas finish, a new input for the next
+    `fit` (or a worker that rejoins) takes the runtime's members lock at once."""
+    import threading
+
+    from tf_diffmap.engine.runtime import Runtime
+
+    finishing = threading.Event()
+    marked = []
+    runtime = Runtime.__new__(Runtime)
+    runtime._members_lock = threading.RLock()
+    runtime._feeds = [
+        types.SimpleNamespace(leave=lambda replicas, timeout: finishing.wait(20.0) and [])
+    ]
+    runtime.record = types.SimpleNamespace(mark_absent=marked.append)
+    runtime.worker_input = None
+    left = []
+    leaving = threading.Thread(
+        target=lambda: left.append(runtime.leave_replicas("task", [2], 30.0)), daemon=True
+    )
+    leaving.start()
+    try:
+        time.sleep(0.2)
+        assert leaving.is_alive()  # its replicas are still finishing
+        assert runtime._members_lock.acquire(timeout=2.0)
+        runtime._members_lock.release()
+    finally:
+        finishing.set()
+        leaving.join(10.0)
+    assert left == [[]] and marked == [[2]]

@@ -26,7 +26,7 @@ CHIEF = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
     import keras, numpy as np, tensorflow as tf
-    from cluster_chief import toy_task
+    from cluster_chief import pause_task, toy_task
     from tf_diffmap import cluster
 
     scenario, job = sys.argv[1], sys.argv[2]  # "paused" or "partitioned"; "worker" or "ps"
@@ -70,7 +70,7 @@ CHIEF = textwrap.dedent(
             if proxy is not None:
                 proxy.drop()
             else:
-                os.kill(pid, signal.SIGSTOP)
+                pause_task(pid)
 
         class Hang(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):

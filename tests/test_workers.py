@@ -652,3 +652,32 @@ def test_an_absent_replica_joins_and_leaves_and_nothing_is_lost():
     with pytest.raises(RuntimeError, match="cannot go from absent to running"):
         with loops._lock:
             loops._move(2, ReplicaState.RUNNING)
+
+
+def test_a_replica_that_waits_for_an_item_leaves_at_once_while_another_holds_a_slow_shard():
+    """Nothing is queued and a slow shard is in flight (the loops are not
+    idle): a leaving replica blocked in its take ends without waiting for an
+    item, and the STOP that woke it ends no other replica's work."""
+    runner, errors, loops = make(3, steps_per_loop=4)
+    release = threading.Event()
+    runner.submit([lambda r: release.wait(20.0)])
+    loops.start()
+    try:
+        assert until(lambda: any(runner.stamps()))
+        holder = next(r for r, stamp in enumerate(runner.stamps()) if stamp)
+        leaving = next(r for r in range(3) if r != holder)
+        time.sleep(0.2)  # its thread is in its take, on an empty queue
+        started = time.monotonic()
+        assert loops.leave([leaving], timeout=10.0) == []
+        seconds = time.monotonic() - started
+        assert seconds < 2.0, seconds
+        assert loops.states()[leaving] is ReplicaState.ABSENT
+        assert loops.states()[holder] is ReplicaState.RUNNING  # it is still applying
+    finally:
+        release.set()
+    runner.submit([lambda r: time.sleep(0.001)] * 30)
+    loops.wait_idle(failed=lambda: bool(errors))
+    assert sum(runner.steps) == 31 and runner.pending() == 0 and not errors
+    assert runner.steps[leaving] == 0
+    loops.stop()
+    assert loops.threads() == []

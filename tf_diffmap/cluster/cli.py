@@ -3,7 +3,10 @@
 `main` serves this machine's worker or ps task (`server.serve`), joins a
 running cluster as a worker (`--join`, `member.join_and_serve`), or starts
 every worker and ps task on this machine (`--local`,
-`foreground.run_local`).
+`foreground.run_local`). It reads its arguments before it imports any of
+those, and with them TensorFlow: `--help` and a wrong argument answer at
+once (the package loads its names on first use under this command, see
+`tf_diffmap/__init__.py`).
 """
 
 from __future__ import annotations
@@ -11,11 +14,71 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tf_diffmap.cluster.foreground import parse_local_spec, run_local
-from tf_diffmap.cluster.member import join_and_serve
-from tf_diffmap.cluster.server import serve
+__all__ = ["main", "parse_local_spec"]
 
-__all__ = ["main"]
+LOCAL_EXAMPLE = "--local workers=2,ps=1"
+_SPEC_KEYS = {"workers": "workers", "worker": "workers", "ps": "ps"}
+
+
+def parse_local_spec(text: str) -> dict[str, int]:
+    """Reads a `--local` value such as `workers=2,ps=1` into `LocalCluster` counts.
+
+    A job left out keeps its default (2 workers, 1 ps); `worker` is accepted
+    for `workers`.
+
+    Args:
+        text: comma-separated `job=count` items.
+
+    Returns:
+        `{"workers": ..., "ps": ...}`.
+
+    Raises:
+        ValueError: an item that is not `job=count`, an unknown job, a job
+            given twice, or a count that is not an integer of at least 1.
+
+    Examples:
+        >>> from tf_diffmap.cluster import parse_local_spec
+        >>> parse_local_spec("workers=3,ps=2")
+        {'workers': 3, 'ps': 2}
+    """
+    counts = {"workers": 2, "ps": 1}
+    seen: set[str] = set()
+    example = f"for example {LOCAL_EXAMPLE}"
+    for item in text.split(","):
+        item = item.strip()
+        name, sep, value = item.partition("=")
+        name = name.strip().lower()
+        if not sep or not name:
+            raise ValueError(
+                f"--local {text!r}: {item!r} is not job=count; write the jobs as "
+                f"workers=N,ps=M, {example}."
+            )
+        if name not in _SPEC_KEYS:
+            why = (
+                " The chief is not started by --local: it is the process that runs "
+                "model.fit, with the TF_CONFIG that --local prints."
+                if name == "chief"
+                else ""
+            )
+            raise ValueError(
+                f"--local {text!r}: unknown job {name!r}; the jobs are 'workers' and 'ps', "
+                f"{example}.{why}"
+            )
+        key = _SPEC_KEYS[name]
+        if key in seen:
+            raise ValueError(f"--local {text!r}: {key!r} is given twice; give it once, {example}.")
+        seen.add(key)
+        try:
+            count = int(value.strip())
+        except ValueError:
+            count = None
+        if count is None or count < 1:
+            raise ValueError(
+                f"--local {text!r}: {key} needs a whole number of at least 1, received "
+                f"{value.strip()!r}; {example}."
+            )
+        counts[key] = count
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.join is not None:
         if args.local is not None:
             parser.error("--join serves one worker; it does not go with --local.")
+        from tf_diffmap.cluster.member import join_and_serve
+
         try:
             return join_and_serve(
                 membership=args.join or None,
@@ -120,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.address is not None:
         parser.error("--address goes with --join.")
     if args.local is None:
+        from tf_diffmap.cluster.server import serve
+
         serve(args.tf_config, args.logical_cpus, args.exit_when_stdin_closes, args.port)
         return 0
     if args.tf_config is not None:
@@ -131,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = parse_local_spec(args.local)
     except ValueError as error:
         parser.error(str(error))
+    from tf_diffmap.cluster.foreground import run_local
+
     try:
         return run_local(
             **counts,

@@ -1,9 +1,9 @@
 """A cluster on one machine in the foreground: `python -m tf_diffmap.cluster --local`.
 
-`parse_local_spec` reads the `--local` value into `LocalCluster` counts;
-`run_local` starts that cluster, prints what a chief needs, and keeps its
-tasks running (`supervisor.Supervisor`) until Ctrl-C or SIGTERM, or, given
-the training script's command, until that chief succeeds.
+`run_local` starts the cluster that the `--local` value asks for
+(`cli.parse_local_spec`), prints what a chief needs, and keeps its tasks
+running (`supervisor.Supervisor`) until Ctrl-C or SIGTERM, or, given the
+training script's command, until that chief succeeds.
 """
 
 from __future__ import annotations
@@ -14,71 +14,7 @@ import time
 from tf_diffmap.cluster.local import SERVER_JOBS, LocalCluster
 from tf_diffmap.cluster.supervisor import Supervisor
 
-__all__ = ["parse_local_spec", "run_local"]
-
-LOCAL_EXAMPLE = "--local workers=2,ps=1"
-_SPEC_KEYS = {"workers": "workers", "worker": "workers", "ps": "ps"}
-
-
-def parse_local_spec(text: str) -> dict[str, int]:
-    """Reads a `--local` value such as `workers=2,ps=1` into `LocalCluster` counts.
-
-    A job left out keeps its default (2 workers, 1 ps); `worker` is accepted
-    for `workers`.
-
-    Args:
-        text: comma-separated `job=count` items.
-
-    Returns:
-        `{"workers": ..., "ps": ...}`.
-
-    Raises:
-        ValueError: an item that is not `job=count`, an unknown job, a job
-            given twice, or a count that is not an integer of at least 1.
-
-    Examples:
-        >>> from tf_diffmap.cluster import parse_local_spec
-        >>> parse_local_spec("workers=3,ps=2")
-        {'workers': 3, 'ps': 2}
-    """
-    counts = {"workers": 2, "ps": 1}
-    seen: set[str] = set()
-    example = f"for example {LOCAL_EXAMPLE}"
-    for item in text.split(","):
-        item = item.strip()
-        name, sep, value = item.partition("=")
-        name = name.strip().lower()
-        if not sep or not name:
-            raise ValueError(
-                f"--local {text!r}: {item!r} is not job=count; write the jobs as "
-                f"workers=N,ps=M, {example}."
-            )
-        if name not in _SPEC_KEYS:
-            why = (
-                " The chief is not started by --local: it is the process that runs "
-                "model.fit, with the TF_CONFIG that --local prints."
-                if name == "chief"
-                else ""
-            )
-            raise ValueError(
-                f"--local {text!r}: unknown job {name!r}; the jobs are 'workers' and 'ps', "
-                f"{example}.{why}"
-            )
-        key = _SPEC_KEYS[name]
-        if key in seen:
-            raise ValueError(f"--local {text!r}: {key!r} is given twice; give it once, {example}.")
-        seen.add(key)
-        try:
-            count = int(value.strip())
-        except ValueError:
-            count = None
-        if count is None or count < 1:
-            raise ValueError(
-                f"--local {text!r}: {key} needs a whole number of at least 1, received "
-                f"{value.strip()!r}; {example}."
-            )
-        counts[key] = count
-    return counts
+__all__ = ["run_local"]
 
 
 class _Stop(Exception):

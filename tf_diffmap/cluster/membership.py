@@ -387,8 +387,10 @@ class Membership:
                 }
             self._move(slot, SlotState.LEAVING)
         started = time.monotonic()
+        out = changed = None
         try:
             stuck = self.runtime.leave_replicas(slot.task, slot.replicas, self.leave_timeout)
+            out = time.monotonic() - started
             if stuck:
                 logger.warning(
                     "worker %s leaves; its replicas %s did not finish their shards within %.0f s "
@@ -403,6 +405,7 @@ class Membership:
                     "worker does not answer; no request waits for it.",
                     slot.task,
                 )
+            changed = time.monotonic() - started - out
         except Exception as error:  # noqa: BLE001 - the worker is told, and stops anyway
             logger.warning("worker %s leaves; removing it met %s", slot.task, error)
         with self._lock:
@@ -410,12 +413,19 @@ class Membership:
             address, slot.address = slot.address, None
             self._move(slot, SlotState.EMPTY)
         seconds = time.monotonic() - started
+        phases = (
+            ""
+            if out is None or changed is None
+            else f" (its replicas out and the data split anew in {out:.1f} s, the cluster "
+            f"changed in {changed:.1f} s)"
+        )
         logger.info(
-            "worker %s (%s) left after %.1f s; its replicas %s are absent and training goes on "
-            "with the others.",
+            "worker %s (%s) left after %.1f s%s; its replicas %s are absent and training goes "
+            "on with the others.",
             slot.task,
             address,
             seconds,
+            phases,
             slot.replicas,
         )
         return {"left": True, "seconds": seconds}

@@ -7,24 +7,24 @@ input built on the workers, and the feeds of the training steps traced so far.
 It drains them (waits for every queued shard), raises a replica's error once,
 and brings lost replicas back. It imports neither the strategy nor the feeds:
 a feed registers itself here (`add_feed`), and the runtime sees it through the
-`Feed` protocol. On one host it imports nothing of `tf_diffmap.cluster`: the
-cluster's record of lost tasks (`cluster.faults.ClusterRecord`) and its input
-on the workers (`cluster.inputs.WorkerInput`) are imported where a cluster
-needs them.
+`Feed` protocol. The replicas' record, the input built on the workers, and
+the replicas that are lost, rejoin, join and leave are its base's,
+`members.ReplicaMembers`; on one host that imports nothing of
+`tf_diffmap.cluster` (the cluster's record of lost tasks and its input on
+the workers are imported where a cluster needs them).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
 
-from tf_diffmap.devices import host_cpu, inter_op_threads, local_cpu, task_name
+from tf_diffmap.devices import inter_op_threads, local_cpu
 from tf_diffmap.engine.guard import CollapseGuard
-from tf_diffmap.engine.replicas import ReplicaRecord, ReplicaReport
+from tf_diffmap.engine.members import ReplicaMembers
 from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import ReplicaState
@@ -61,7 +61,7 @@ class Feed(Protocol):
     def queued(self) -> int: ...
 
 
-class Runtime:
+class Runtime(ReplicaMembers):
     """What the strategy's hooks and its step feeds share.
 
     Args:
@@ -182,18 +182,6 @@ class Runtime:
         # endpoint workers join and leave through (`cluster.membership`).
         self.membership = None
 
-    def _new_record(self) -> ReplicaRecord:
-        """The replicas' record: a cluster's when a replica is on a task of
-        one (`/job:...`), else one host's, and the cluster's modules are not
-        imported."""
-        if not any(d.startswith("/job:") for d in self.replica_devices):
-            return ReplicaRecord(self.replica_devices, self._absent_at_start)
-        from tf_diffmap.cluster.faults import ClusterRecord
-
-        return ClusterRecord(
-            self.replica_devices, on_back=self._rejoin, absent=self._absent_at_start
-        )
-
     # -- the feeds ---------------------------------------------------------
 
     def add_feed(self, feed: Feed) -> None:
@@ -206,10 +194,6 @@ class Runtime:
     def in_flight(self) -> int:
         """Shards queued or being applied, over every feed."""
         return sum(feed.in_flight() for feed in self._feeds)
-
-    def keep_functions(self, functions) -> None:
-        """Functions to keep alive while a worker is lost (see `__init__`)."""
-        self._kept_functions.extend(functions)
 
     # -- aggregation -------------------------------------------------------
 
@@ -296,12 +280,15 @@ class Runtime:
         ]
 
     def _present_replicas(self) -> list[int]:
+        """The replicas a fresh window waits for: not absent, lost, or
+        leaving (a leaving replica pushes nothing more)."""
         absent = set(self.absent_replicas())
         states = [feed.states() for feed in self.feeds()]
+        gone = (ReplicaState.LOST, ReplicaState.LEAVING)
         return [
             r
             for r in range(len(self.replica_devices))
-            if r not in absent and all(s[r] is not ReplicaState.LOST for s in states)
+            if r not in absent and all(s[r] not in gone for s in states)
         ]
 
     def _timer_failed(self, error: BaseException) -> None:
@@ -480,80 +467,9 @@ class Runtime:
             if self._error is None:
                 self.failed.assign(False)
 
-    # -- lost and hung replicas -------------------------------------------
-
-    def _rejoin(self, task: str, replica_ids: list[int], restarted: bool = True) -> None:
-        """A lost worker serves again (called from the rejoiner's thread), or
-        a hung one answers (`restarted` False; from its last call's thread)."""
-        if self.worker_input is not None and task:
-            with self._members_lock:
-                self.worker_input.rebuild(task, restarted)
-        for feed in self.feeds():
-            feed.rejoin(replica_ids)
-        if not self.lost_tasks() - {task}:
-            # Every task serves (the rejoined one knows every function).
-            self._kept_functions.clear()
-
-    # -- workers that join and leave -----------------------------------------
-
-    def absent_replicas(self) -> set[int]:
-        """The replica slots no worker holds now."""
-        return self.record.absent()
-
-    def absent_tasks(self) -> set[str]:
-        """The worker tasks whose replicas are all absent now."""
-        absent = self.record.absent()
-        tasks = {task_name(d) for d in self.replica_devices}
-        return {
-            task
-            for task in tasks
-            if all(r in absent for r, d in enumerate(self.replica_devices) if task_name(d) == task)
-        }
-
     def training(self) -> bool:
         """Whether replicas' loops run now."""
         return any(feed.running() for feed in self._feeds)
-
-    def join_replicas(self, task: str, replica_ids: Sequence[int]) -> None:
-        """A worker joined (its task is in the cluster now): its input is
-        built, the data split anew over the workers present, and its
-        replicas start (called from the membership's thread)."""
-        with self._members_lock:
-            self.record.mark_present(replica_ids)
-            if self.worker_input is not None:
-                self.worker_input.reshard(self.lost_tasks(), self.absent_tasks())
-            for feed in self.feeds():
-                feed.join(replica_ids)
-
-    def leave_replicas(
-        self, task: str, replica_ids: Sequence[int], timeout: float | None
-    ) -> list[int]:
-        """A worker leaves: its replicas finish the shards they hold and
-        end, the data is split anew over the others, and what its input
-        held on it is let go while it still serves.
-
-        Returns:
-            The replicas whose calls did not end within `timeout`.
-        """
-        with self._members_lock:
-            stuck: list[int] = []
-            for feed in self.feeds():
-                stuck.extend(feed.leave(replica_ids, timeout))
-            self.record.mark_absent(replica_ids)
-            if self.worker_input is not None:
-                self.worker_input.reshard(self.lost_tasks(), self.absent_tasks())
-            return sorted(set(stuck))
-
-    def group_of(self, replica_id: int) -> list[int]:
-        """The replicas that hang with one (`workers.HangHandler`)."""
-        return self.record.group_of(replica_id)
-
-    def hung(self, replica_id: int, group, seconds: float) -> None:
-        self.record.hung(replica_id, group, seconds)
-
-    def answered(self, group) -> None:
-        self.record.answered(group)
-        self._rejoin(task_name(self.replica_devices[group[0]]), list(group), restarted=False)
 
     def stalled(self, seconds: float) -> bool:
         """No update applied for `seconds` while updates wait: fatal if the
@@ -568,24 +484,6 @@ class Runtime:
         self.failed.assign(True)
         return True
 
-    def lost_tasks(self) -> set[str]:
-        """The tasks whose replicas are lost now."""
-        return {task_name(self.replica_devices[r]) for r in self.record.lost()}
-
-    def replica_states(self) -> list[ReplicaReport]:
-        """Each replica's report, its state as its loops see it."""
-        running = {r: "running" for r in range(len(self.replica_devices))}
-        for feed in self.feeds():
-            for r, state in enumerate(feed.states()):
-                if state is not ReplicaState.RUNNING:
-                    running[r] = state.value
-        return [
-            report
-            if report.state in ("lost", "absent") and running[r] != "leaving"
-            else dataclasses.replace(report, state=running[r])
-            for r, report in enumerate(self.record.reports())
-        ]
-
     def threads(self) -> list[threading.Thread]:
         """The loops' threads and the record's (the rejoiner's), alive now."""
         loops = [t for feed in self.feeds() for t in feed.threads()]
@@ -597,41 +495,3 @@ class Runtime:
         for feed in self.feeds():
             waited = [a + b for a, b in zip(waited, feed.seconds_waited())]
         return waited
-
-    # -- input on the workers ---------------------------------------------
-
-    def read_input_on_workers(self) -> None:
-        """Datasets given to the strategy are built on each replica's worker
-        task (on a cluster), rather than on this host and sent through."""
-        self.worker_hosts = [host_cpu(d) for d in self.replica_devices]
-
-    def new_worker_input(self, **source) -> WorkerInput:
-        """A new input on the workers, which replaces the current one."""
-        from tf_diffmap.cluster.inputs import WorkerInput
-
-        with self._members_lock:
-            lost = self.lost_tasks()
-            if not lost:
-                self._kept_functions.clear()
-            elif self.worker_input is not None:
-                self._kept_functions.extend(self.worker_input.functions())
-            self.worker_input = WorkerInput(
-                self.worker_hosts, self.failed, lost=lost, absent=self.absent_tasks(), **source
-            )
-            return self.worker_input
-
-    def worker_input_for(self, specs) -> WorkerInput | None:
-        """The input on the workers that a new feed reads, if any.
-
-        A feed given tokens of the latest distributed dataset reads its
-        shards on the workers; one given real batches (a custom loop's
-        tensors) gets them through the queue.
-        """
-        source = self.worker_input
-        if source is None:
-            return None
-        flat = tf.nest.flatten(source.element_spec)
-        same = len(flat) == len(specs) and all(
-            a.dtype == b.dtype and a.shape.rank == b.shape.rank for a, b in zip(flat, specs)
-        )
-        return source if same else None

@@ -43,6 +43,9 @@ POLL_SECONDS = 0.05
 # Loops with no shard put or applied for this long stop their threads; the next step
 # starts them again, so an interrupted `fit` leaves no thread behind.
 IDLE_SECONDS = 1.0
+# How often a leave queues a STOP again for a leaving call that still waits
+# for an item (`ReplicaLoops.leave`).
+WAKE_SECONDS = 0.2
 
 
 class WorkerError(RuntimeError):
@@ -242,6 +245,17 @@ class ReplicaLoops(HungCalls):
         off the queue, finishes the shard its call holds (a call waiting for
         an item gives the item back) and ends; then it is ABSENT.
 
+        A call that waits in the queue's dequeue would end only when an item
+        reaches it, and none may come for a while (Keras' step is between
+        batches, or held up): a STOP per leaving call is queued with the
+        fence, and again every `WAKE_SECONDS` for each leaving call still
+        running that holds no shard (another replica waiting in its take
+        may have taken the STOP first). A fenced call gives its STOP back,
+        and a running replica that takes a STOP while the loops are not
+        stopping passes it by, so a STOP left over changes nothing. The
+        others take shards throughout: nothing here holds their lock while
+        it waits.
+
         Args:
             replica_ids: the replicas of the worker that leaves.
             timeout: seconds to wait for their calls to end; None: for ever.
@@ -260,7 +274,7 @@ class ReplicaLoops(HungCalls):
                     and thread.is_alive()
                 ):
                     self._move(r, ReplicaState.LEAVING)
-                    ending.append(thread)
+                    ending.append((r, thread))
                 elif self._states[r] in (ReplicaState.RUNNING, ReplicaState.STOPPED):
                     self._threads.pop(r, None)
                     if self._states[r] is ReplicaState.RUNNING:
@@ -271,8 +285,20 @@ class ReplicaLoops(HungCalls):
             self._progress.notify_all()
         self.runner.fence(list(replica_ids), True)
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in ending:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        waking = [r for r, _ in ending]
+        while waking:
+            self.runner.send_stops(len(waking))
+            alive = [(r, t) for r, t in ending if t.is_alive()]
+            left = None if deadline is None else deadline - time.monotonic()
+            if not alive or (left is not None and left <= 0):
+                break
+            alive[0][1].join(WAKE_SECONDS if left is None else min(WAKE_SECONDS, left))
+            stamps = self.runner.stamps()
+            waking = [r for r, t in alive if t.is_alive() and not stamps[r]]
+            if not waking and any(t.is_alive() for _, t in alive):
+                # Each applies the shard it holds, then finds its fence.
+                for _, thread in alive:
+                    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             return [r for r in replica_ids if self._states[r] is ReplicaState.LEAVING]
 
