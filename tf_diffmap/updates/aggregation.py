@@ -51,7 +51,6 @@ reads the model), a window that is not full is applied as it is
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -64,7 +63,7 @@ from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.updates.optimizer import optimizer_chain
 from tf_diffmap.updates.penalties import add_penalty_gradients
-from tf_diffmap.updates.step import StepState, current_step, tracing_step
+from tf_diffmap.updates.step import StepState, current_step, step_reach, tracing_step
 
 __all__ = ["Aggregation", "aggregating", "innermost", "optimizers_of", "warn_if_not_aggregated"]
 
@@ -97,22 +96,15 @@ def optimizers_of(fn) -> list:
     `train_step` uses two), then those the function's code names as free
     variables or globals, and the optimizers of models it names.
     """
-    target = inspect.unwrap(fn)
+    owner, named = step_reach(fn)
     found: list = []
-    owner = getattr(target, "__self__", None)
     if owner is not None:
         found.extend(_optimizers_in(owner))
         if not isinstance(owner, keras.Model):
             for attribute in vars(owner).values() if hasattr(owner, "__dict__") else ():
                 found.extend(_optimizers_in(attribute, depth=0))
-        target = getattr(target, "__func__", target)
-    try:
-        named = inspect.getclosurevars(target)
-    except (TypeError, ValueError):
-        named = None
-    if named is not None:
-        for value in [*named.nonlocals.values(), *named.globals.values()]:
-            found.extend(_optimizers_in(value))
+    for value in named:
+        found.extend(_optimizers_in(value))
     return list({id(o): o for o in found}.values())
 
 

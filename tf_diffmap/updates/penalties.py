@@ -48,7 +48,7 @@ import keras
 import tensorflow as tf
 
 from tf_diffmap.store.partitioned import PartitionedVariable
-from tf_diffmap.updates.step import current_step
+from tf_diffmap.updates.step import current_step, step_reach
 
 __all__ = [
     "SplitPenalty",
@@ -124,19 +124,12 @@ def models_of(fn) -> list:
     """The Keras layers and models a step function can reach: the object a
     bound method belongs to, and those its code names as free variables or
     globals (as `aggregation.optimizers_of` finds optimizers)."""
-    target = inspect.unwrap(fn)
+    owner, named = step_reach(fn)
     found: list = []
-    owner = getattr(target, "__self__", None)
     if owner is not None:
         found.extend(_layers_in(owner))
-        target = getattr(target, "__func__", target)
-    try:
-        named = inspect.getclosurevars(target)
-    except (TypeError, ValueError):
-        named = None
-    if named is not None:
-        for value in [*named.nonlocals.values(), *named.globals.values()]:
-            found.extend(_layers_in(value, depth=0))
+    for value in named:
+        found.extend(_layers_in(value, depth=0))
     return list({id(m): m for m in found}.values())
 
 

@@ -9,6 +9,7 @@ the step being traced with `current_step()`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,9 +19,24 @@ from tf_diffmap import _tf_internal
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.updates import sparse
 
-__all__ = ["Claim", "StepState", "current_step", "tracing_step"]
+__all__ = ["Claim", "StepState", "current_step", "step_reach", "tracing_step"]
 
 _tracing = _tf_internal.replica_tracing()
+
+
+def step_reach(fn) -> tuple[Any, list]:
+    """What a step function can reach: the object a bound method belongs
+    to (None for a plain function), and the values its code names as free
+    variables or globals."""
+    target = inspect.unwrap(fn)
+    owner = getattr(target, "__self__", None)
+    if owner is not None:
+        target = getattr(target, "__func__", target)
+    try:
+        named = inspect.getclosurevars(target)
+    except (TypeError, ValueError):
+        return owner, []
+    return owner, [*named.nonlocals.values(), *named.globals.values()]
 
 
 class Claim:
