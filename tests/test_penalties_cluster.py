@@ -61,12 +61,6 @@ CHIEF = textwrap.dedent(
             model = make()
             model.set_weights(weights)
             compile(model)
-            # Builds the compiled loss on a real batch: Keras' own build at
-            # the start of `fit` takes the first of the chief's tokens (a
-            # batch of no example), whose unreduced loss of shape [0] it
-            # cannot add to the penalties (a fault of its own: it fails
-            # before a replica step is traced).
-            model.compute_loss(x=x[:16], y=y[:16], y_pred=model(x[:16]))
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         (aggregation,) = strategy.extended.runtime.aggregations()
         table = model.get_layer("table").embeddings

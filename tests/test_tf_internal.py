@@ -946,3 +946,52 @@ def test_remote_requests_stream_while_a_task_is_quiet_and_wait_again_after(monke
     remote_functions.quiet_tasks(set())
     assert os.environ[remote_functions.STREAMING] == "False"
     remote_functions.settle()  # no task quiet, no cluster: nothing to do
+
+
+def test_a_regularized_model_is_built_from_its_batches_structure():
+    """What Keras builds at the start of `fit` (the model, its compiled loss
+    and metrics), built from the batches' structure: Keras' own build on a
+    batch of no example (a cluster chief's token) fails with a regularizer,
+    whose scalar penalty it cannot add to an empty loss vector."""
+    strategy = tf_diffmap.Strategy()
+
+    def compiled():
+        with strategy.scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((4,)),
+                    keras.layers.Dense(2, kernel_regularizer=keras.regularizers.l2(1e-3)),
+                ]
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        return model
+
+    token = (tf.zeros([0, 4]), tf.zeros([0], tf.int32))
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+        model = compiled()
+        with strategy.scope():
+            model._symbolic_build(data_batch=token)
+    model = compiled()
+    spec = tf.data.Dataset.from_tensors(token).element_spec
+    _tf_internal.build_from_spec(model, spec)
+    assert model._compile_loss.built and model._compile_metrics.built
+    with strategy.scope():
+        model._symbolic_build(data_batch=token)  # built already: Keras builds nothing
+
+
+def test_the_model_whose_fit_runs_is_known_inside_its_fit():
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append(_tf_internal.fitting_model())
+
+    tf_diffmap.Strategy()  # a strategy has every `fit` watched
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[Seen()])
+    assert seen == [model] and _tf_internal.fitting_model() is None

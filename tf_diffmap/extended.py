@@ -269,12 +269,21 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         self._made_here.add(dataset)
         return dataset
 
+    def _tokens_for_fit(self, tokens: tf.data.Dataset) -> tf.data.Dataset:
+        # The chief iterates a token per shard (no example): Keras' build at
+        # the start of `fit` would take one for its first batch, so the model
+        # being fitted is built from the batches' structure first.
+        model = _tf_internal.fitting_model()
+        if model is not None:
+            _tf_internal.build_from_spec(model, tokens.element_spec)
+        return self._distributed(tokens)
+
     def _experimental_distribute_dataset(self, dataset, options):
         if dataset in self._made_here:
             return dataset
         runtime = self.runtime
         if runtime.worker_hosts is not None and not inputs.for_keras_inference():
-            return self._distributed(runtime.new_worker_input(dataset=dataset).tokens)
+            return self._tokens_for_fit(runtime.new_worker_input(dataset=dataset).tokens)
         made = inputs.host_dataset(dataset, runtime.failed)
         if runtime.lost_tasks():
             # Its functions are removed from every task once Keras drops it.
@@ -284,7 +293,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
     def _distribute_datasets_from_function(self, dataset_fn, options):
         runtime = self.runtime
         if runtime.worker_hosts is not None:
-            return self._distributed(runtime.new_worker_input(dataset_fn=dataset_fn).tokens)
+            return self._tokens_for_fit(runtime.new_worker_input(dataset_fn=dataset_fn).tokens)
         replicas = len(runtime.replica_devices)
         context = tf.distribute.InputContext(
             num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=replicas

@@ -67,6 +67,8 @@ from tf_diffmap._tf_internal.keras_internals import (
     OPTIMIZER_SLOTS,
     TracedMomentum,
     apply_replaced,
+    build_from_spec,
+    fitting_model,
     for_keras_inference,
     momentum_of_update,
     optimizer_of_update,
@@ -143,4 +145,6 @@ __all__ = [
     "settle",
     "user_stacklevel",
     "watch_fit",
+    "build_from_spec",
+    "fitting_model",
 ]

@@ -299,6 +299,10 @@ def _trainer_problems() -> list[str]:
     # `watch_fit` wraps `keras.Model.fit`: a Sequential model must use it.
     if "fit" in vars(keras.Sequential):
         problems.append("keras.Sequential defines its own `fit`, which `watch_fit` does not see")
+    # `build_from_spec` calls Keras' build from a batch's structure.
+    build = getattr(keras.Model, "_symbolic_build", None)
+    if build is None or "data_batch" not in inspect.signature(build).parameters:
+        problems.append("keras.Model._symbolic_build(data_batch=...) is gone")
     return problems
 
 

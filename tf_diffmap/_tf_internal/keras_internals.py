@@ -8,7 +8,10 @@
   the variables it was built for (`optimizer_trainable_variables`).
 * Whether Keras' `evaluate` or `predict` asks for a distributed dataset,
   rather than `fit` (`for_keras_inference`).
-* A check at the start of every `keras.Model.fit` (`watch_fit`).
+* A check at the start of every `keras.Model.fit` (`watch_fit`), and the
+  model whose `fit` runs (`fitting_model`).
+* Keras' build of a model, its compiled loss and metrics from a batch's
+  structure (`build_from_spec`).
 
 Keras 3 offers no public way to do any of these; `checks` says when a Keras
 release moves what they rely on, and tests/test_tf_internal.py exercises
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
+import threading
 from collections.abc import Callable
 
 import keras
@@ -191,6 +196,50 @@ def for_keras_inference() -> bool:
 # The checks `watch_fit` runs, in order, and the mark of its wrapper.
 _FIT_CHECKS: list[Callable[[keras.Model], None]] = []
 _WATCHED = "_tf_diffmap_watched"
+# Per thread, the models whose `fit` runs, innermost last.
+_fitting = threading.local()
+logger = logging.getLogger("tf_diffmap")
+
+
+def fitting_model() -> keras.Model | None:
+    """The model whose `fit` runs on this thread (the innermost), or None.
+
+    Known once `watch_fit` has wrapped `keras.Model.fit`.
+    """
+    models = getattr(_fitting, "models", None)
+    return models[-1] if models else None
+
+
+def build_from_spec(model: keras.Model, element_spec) -> None:
+    """Builds what Keras builds at the start of `fit` from its first batch
+    (the model, its compiled loss and metrics, the optimizer), from the
+    batches' structure with an unknown batch size.
+
+    Keras builds them on the first batch it takes from the distributed
+    dataset (`_symbolic_build`). Where that batch stands for shards built
+    elsewhere and holds no example, its loss is an empty vector, which Keras
+    cannot add to a regularizer's penalty. Built here first, they are built
+    already when Keras looks. Where this build fails (a model that needs a
+    known batch size), Keras' own build runs as before.
+    """
+    if getattr(model, "_distribute_strategy", None) is None:
+        return
+
+    def unknown_batch(spec):
+        if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+            return tf.TensorSpec([None, *spec.shape[1:]], spec.dtype)
+        return spec
+
+    batch = tf.nest.map_structure(unknown_batch, element_spec)
+    try:
+        with model.distribute_strategy.scope():
+            model._symbolic_build(data_batch=batch)
+    except Exception:  # noqa: BLE001 - Keras' own build runs next, and raises its own error
+        logger.debug(
+            "Building the model from its batches' structure failed; Keras builds "
+            "it from its first batch",
+            exc_info=True,
+        )
 
 
 def watch_fit(check: Callable[[keras.Model], None]) -> None:
@@ -216,7 +265,12 @@ def watch_fit(check: Callable[[keras.Model], None]) -> None:
     def fit(self, *args, **kwargs):
         for each in tuple(_FIT_CHECKS):
             each(self)
-        return keras_fit(self, *args, **kwargs)
+        models = _fitting.__dict__.setdefault("models", [])
+        models.append(self)
+        try:
+            return keras_fit(self, *args, **kwargs)
+        finally:
+            models.pop()
 
     setattr(fit, _WATCHED, True)
     keras.Model.fit = fit
