@@ -2,13 +2,10 @@
 and a worker killed in the middle of a step.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cluster_chief import run_chief_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -74,15 +71,7 @@ def test_a_worker_killed_mid_step_leaves_every_window_whole(tmp_path, bound):
     past the loss, and the mutex a killed push may have held is released.
     With fresh windows, the windows the lost worker's replica would have
     pushed into close short once their patience runs out."""
-    result = subprocess.run(
-        [sys.executable, "-c", CHIEF, str(bound)],
-        env=dict(os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_chief_script(CHIEF, tmp_path, str(bound), timeout=280)
     assert report["states"][1] == "lost", report
     assert report["steps"] == report["iterations"]
     assert report["pending"] == 0

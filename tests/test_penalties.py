@@ -147,9 +147,8 @@ def test_a_step_per_push_keeps_the_penalty_in_each_replica_s_gradient():
     assert np.abs(untouched - weights[0][48:]).max() > 1e-3  # the penalty moved them
 
 
-class OwnPenalty(keras.Model):
-    """A custom `train_step` that adds its own L2 penalty on the table and
-    leaves `model.losses` out."""
+class _Wrapping(keras.Model):
+    """The regularized model inside a model with a custom `train_step`."""
 
     def __init__(self):
         super().__init__()
@@ -157,6 +156,11 @@ class OwnPenalty(keras.Model):
 
     def call(self, inputs):
         return self.body(inputs)
+
+
+class OwnPenalty(_Wrapping):
+    """A custom `train_step` that adds its own L2 penalty on the table and
+    leaves `model.losses` out."""
 
     def train_step(self, data):
         x, y = data
@@ -191,16 +195,9 @@ def test_a_custom_train_step_s_own_penalty_stays_per_replica_and_is_named_once()
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
-class OwnTableUpdate(keras.Model):
+class OwnTableUpdate(_Wrapping):
     """A custom `train_step` that takes the penalties from `model.losses`
     but updates the table itself, not through the optimizer."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = _model()
-
-    def call(self, inputs):
-        return self.body(inputs)
 
     def train_step(self, data):
         x, y = data

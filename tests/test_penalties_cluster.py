@@ -1,13 +1,10 @@
 """Weight regularizers on a localhost cluster: the penalty's gradient added
 once per step on the ps tasks, a table split over two of them."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from cluster_chief import run_chief_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -92,15 +89,7 @@ def test_a_regularized_table_split_over_two_ps_takes_its_penalty_once_a_step(tmp
     penalty step per optimizer step, and with fresh windows (a patience no
     replica reaches) the weights are plain Keras' after 8 steps on the
     windows' examples."""
-    result = subprocess.run(
-        [sys.executable, "-c", CHIEF, str(bound)],
-        env=dict(os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="3"),
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_chief_script(CHIEF, tmp_path, str(bound), timeout=280)
     assert report["split"] and len(report["devices"]) == 2, report
     assert all("/job:ps/" in d for d in report["devices"]), report
     assert report["sparse"] and report["penalties"] == 2, report
