@@ -622,17 +622,22 @@ def test_cluster_model_option_runs_the_cluster_workloads_on_another_model():
     assert model.output_shape == (None, MODELS["mlp_deep_bn"]["classes"])
 
 
+def _benchmark(module: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """Runs `python -m benchmarks.<module> args` from the checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.slow
 def test_two_checkouts_are_compared_side_by_side():
     """`benchmarks.checkouts` alternates the two and prints their ratio
     (the same checkout twice here: its figure means nothing)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.checkouts", str(ROOT), str(ROOT), "--rounds", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = _benchmark("checkouts", str(ROOT), str(ROOT), "--rounds", "1", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert sum(line.startswith("round 1: ") for line in lines) == 2
@@ -640,13 +645,7 @@ def test_two_checkouts_are_compared_side_by_side():
 
 
 def test_checkouts_refuses_no_rounds():
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.checkouts", "a", "b", "--rounds", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _benchmark("checkouts", "a", "b", "--rounds", "0", timeout=60)
     assert result.returncode == 2 and "--rounds must be at least 1, received 0" in result.stderr
 
 
@@ -654,21 +653,8 @@ def test_checkouts_refuses_no_rounds():
 def test_the_regularized_recommender_prints_each_pair_and_the_ratios():
     """`benchmarks.regularized_recommender` times plain Keras and
     tf_diffmap epoch by epoch in one process and prints their ratio."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.regularized_recommender",
-            str(ROOT),
-            "--rounds",
-            "1",
-            "--epochs",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    result = _benchmark(
+        "regularized_recommender", str(ROOT), "--rounds", "1", "--epochs", "1", timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -678,13 +664,7 @@ def test_the_regularized_recommender_prints_each_pair_and_the_ratios():
 
 
 def test_the_regularized_recommender_refuses_no_rounds():
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.regularized_recommender", "a", "--rounds", "0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _benchmark("regularized_recommender", "a", "--rounds", "0", timeout=60)
     assert result.returncode == 2 and "must be at least 1" in result.stderr
 
 
