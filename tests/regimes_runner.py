@@ -85,6 +85,8 @@ def run(config: dict) -> dict:
             mean_staleness=stats.overall_mean_staleness,
             max_staleness=int(stats.overall_max_staleness),
             mean_step_staleness=stats.overall_mean_step_staleness,
+            dropped=int(stats.dropped.sum()),
+            updates=int(stats.updates.sum()),
         )
     return out
 

@@ -4,16 +4,19 @@ On a 2-core host the replica loops run nearly back to back, and 16 replicas
 see a mean staleness of about 1. Here every replica sleeps 3 ms in each
 training step (emulated device time, as it would wait on its own GPU,
 using no CPU), with an inter-op pool large enough for the sleepers, so 4
-replicas see a mean staleness of about 2.5 versions and 16 replicas about
-11. Each regime runs in a fresh process (`tests/regimes_runner.py`, on the
-held-out grid's data and models), since the pool is set before TensorFlow
-starts.
+replicas see a mean staleness of about 1.6 versions and 16 replicas
+about 7.5. Each regime runs in a fresh process (`tests/regimes_runner.py`,
+on the held-out grid's data and models), since the pool is set before
+TensorFlow starts.
 
-The default aggregates one shard gradient per replica into each step of the
-optimizer (`Strategy(gradients_per_step="auto")`), so SGD with momentum
-takes the steps it was tuned for in synchronous training. Before it, every
-shard's gradient was a step of its own, and the same MLP with inputs scaled
-to [0, 1] collapsed to 0.38 at 16 replicas (issue 40).
+The default takes each step of the optimizer from one shard gradient per
+replica, all read at the step's own parameters (fresh windows: the
+staleness above is what other replicas' shards of the same window landed
+between a read and its push; every applied gradient is 0 steps stale), and
+skips a shard that comes after its window closed. So SGD with momentum
+takes the steps it was tuned for in synchronous training. When every
+shard's gradient was a step of its own, the same MLP with inputs scaled to
+[0, 1] collapsed to 0.38 at 16 replicas (issue 40).
 """
 
 import json
@@ -37,32 +40,29 @@ MODELS = {
     "cnn": ("standardized", 0.05, 64),
 }
 
-# The least accuracy each model must reach, set from runs on this 2-core
-# host while other work ran (load average 6 to 9), seed 0, 15 epochs
-# (`tests/regimes_runner.py`), validation accuracy (staleness: mean, in
-# versions):
+# The least median accuracy each model must reach over RUNS runs, set from
+# runs on this 2-core host, seed 0, 15 epochs (`tests/regimes_runner.py`),
+# validation accuracy (staleness: mean, in versions):
 #
-#              sync (MirroredStrategy)  default, 4 replicas       default, 16 replicas
-#   MLP, [0, 1]  0.964 (3 runs alike)     0.769-0.953, 12 runs (2)  0.667-0.963, 25 runs (10-12)
-#   CNN, std.    0.936 (3 runs alike)     0.911, 0.939, 0.961 (3)   0.894-0.939, 5 runs (11-12)
+#              sync (MirroredStrategy)  default, 4 replicas     default, 16 replicas
+#   MLP, [0, 1]  0.964 (3 runs alike)     0.967-0.969, 4 runs (1.6)  0.964-0.969, 4 runs (7.0)
+#   CNN, std.    0.936 (3 runs alike)     0.953-0.958, 4 runs (1.6)  0.822-0.961, 17 runs (7.5)
 #
-# The MLP on [0, 1] inputs with momentum is where the default runs near its
-# limit (docs/staleness-aware-updates.md): at 16 replicas 3 runs of 25 ended
-# under 0.70 (0.667, 0.672, 0.686), all while two such processes trained at
-# once; one of them was a README test run whose median of three (0.672) fell
-# under the earlier floor of 0.75. So it trains MLP_RUNS times and the median
-# must clear a floor under every run seen (a median of three under 0.60 would
-# take two such runs); the CNN trains once, 4 points under its lowest run.
-# Both stay far from the collapse that per-shard steps gave this MLP (0.38 at
-# 16 replicas).
-FLOORS = {"mlp": 0.60, "cnn": 0.85}
-MLP_RUNS = 3
+# (2026-12-07, fresh windows the default; the 16-replica CNN runs while one
+# to two more such processes and up to three busy loops ran, load average 4
+# to 22, dropping 67 to 178 late shards of 5,520; its 0.822 is a CI run, the
+# next lowest 0.867.) A single run can end far under the rest, as
+# synchronous training's does on this data (docs/staleness-aware-updates.md),
+# so each model trains RUNS times and the median must clear a floor under
+# every run seen: a median under it takes two such runs of three. Both stay
+# far from the collapse that per-shard steps gave the MLP (0.38 at 16
+# replicas).
+FLOORS = {"mlp": 0.90, "cnn": 0.80}
+RUNS = 3
 
 
 def run_default(replicas_per_device: int) -> dict[str, list[dict]]:
-    """Both models under the default, in one fresh process: the MLP
-    `MLP_RUNS` times, the CNN once."""
-    runs = {"mlp": MLP_RUNS, "cnn": 1}
+    """Both models under the default, `RUNS` times each, in one fresh process."""
     configs = [
         {
             "variant": "default",
@@ -77,7 +77,7 @@ def run_default(replicas_per_device: int) -> dict[str, list[dict]]:
             "device_seconds": 0.003,
         }
         for model, (preprocessing, rate, batch) in MODELS.items()
-        for _ in range(runs[model])
+        for _ in range(RUNS)
     ]
     proc = subprocess.run(
         [sys.executable, str(RUNNER), json.dumps(configs)],
@@ -96,7 +96,7 @@ def run_default(replicas_per_device: int) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize(
     "replicas_per_device, min_staleness",
-    [(1, 1.5), (4, 6.0)],
+    [(1, 1.2), (4, 6.0)],
     ids=["4 replicas, low staleness", "16 replicas, high staleness"],
 )
 def test_default_trains_momentum_sgd_where_staleness_is_real(replicas_per_device, min_staleness):
@@ -111,4 +111,4 @@ def test_default_trains_momentum_sgd_where_staleness_is_real(replicas_per_device
             # The regime is real: replicas overlapped as that many devices would.
             assert result["mean_staleness"] >= min_staleness, (model, result)
         accuracy = statistics.median(r["accuracy"] for r in runs)
-        assert accuracy >= FLOORS[model], (model, [r["accuracy"] for r in runs])
+        assert accuracy >= FLOORS[model], (model, runs)
