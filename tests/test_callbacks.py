@@ -16,7 +16,7 @@ from tensorboard.plugins.custom_scalar import metadata as custom_scalar_metadata
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
-from tf_diffmap.callbacks import _interval
+from tf_diffmap.store.intervals import difference
 from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.tensorboard_plugin import metadata
 from tf_diffmap.tensorboard_plugin.figures import interval_figures
@@ -692,18 +692,18 @@ def test_points_written_together_are_the_points_written_one_by_one(tmp_path):
 def test_counters_that_went_back_start_a_new_count():
     before = stats([[4, 4]])
     after_reset = stats([[1, 0]])
-    assert _interval(after_reset, before).updates.tolist() == [1]
-    assert _interval(stats([[5, 6]]), before).updates.tolist() == [3]
+    assert difference(after_reset, before).updates.tolist() == [1]
+    assert difference(stats([[5, 6]]), before).updates.tolist() == [3]
 
 
 def test_optimizer_steps_count_from_a_store_that_did_not_aggregate_yet():
     # Before the first trace the store counts no step (steps None): it had applied none.
     before = stats([[4, 4]])
     now = stats([[5, 6]], step_histogram=[[9, 2]], steps=7)
-    interval = _interval(now, before)
+    interval = difference(now, before)
     assert interval.steps == 7 and interval.step_histogram is None
     # The statistics reset, the store's steps go on: an interval's steps stay a difference.
-    later = _interval(stats([[1, 0]], step_histogram=[[1, 0]], steps=9), now)
+    later = difference(stats([[1, 0]], step_histogram=[[1, 0]], steps=9), now)
     assert later.updates.tolist() == [1] and later.steps == 2
     assert later.step_histogram.tolist() == [[1, 0]]
 

@@ -1,7 +1,8 @@
 """`tf_diffmap.StalenessTensorBoard`: staleness in TensorBoard, from `model.fit`.
 
 The callback decides *when* to write: each point covers the updates between
-two snapshots of the strategy's counters. *What* is written, and how, is in
+two snapshots of the strategy's counters (their difference:
+`tf_diffmap/store/intervals.py`). *What* is written, and how, is in
 `tf_diffmap/tensorboard_plugin/` (`figures.py`, `summary.py`).
 
 Epoch points read the counters (`Strategy.statistics()`) at the epoch's end.
@@ -14,18 +15,16 @@ ops that wait for the interpreter lock and for a CPU the replicas hold.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable
 
 import keras
 import numpy as np
 
+from tf_diffmap.engine.threads import Background
 from tf_diffmap.store.gate import WindowStats
+from tf_diffmap.store.intervals import difference, differences
 from tf_diffmap.store.staleness import StalenessStats
 from tf_diffmap.strategy import Strategy
 from tf_diffmap.tensorboard_plugin import metadata
@@ -35,119 +34,6 @@ from tf_diffmap.updates.optimizer import AsyncOptimizer, find_in_chain
 __all__ = ["StalenessTensorBoard"]
 
 _logger = logging.getLogger("tf_diffmap")
-
-
-_COUNTS = (
-    "updates",
-    "dropped",
-    "staleness_sum",
-    "histogram",
-    "examples",
-    "lr_scale_sum",
-    "step_staleness_sum",
-    "step_histogram",
-    "steps",
-)
-# Counts that `Strategy.reset_statistics()` zeroes (the store's optimizer
-# steps go on counting).
-_RESET = tuple(name for name in _COUNTS if name != "steps")
-
-
-def _intervals(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
-    """The counts between consecutive snapshots.
-
-    Args:
-        now: K snapshots, every counter array with a leading dimension of K.
-        before: the snapshot before the first, or None (zeros).
-
-    Returns:
-        The K intervals' counts (arrays `[K, ...]`); an interval whose
-        counters went back (`Strategy.reset_statistics()` was called in
-        between) counts all of its snapshot's. `steps` is None unless `now`
-        counts optimizer steps; a `before` that did not (its store was not
-        aggregating yet) had applied none.
-    """
-    diffs = {}
-    for name in _COUNTS:
-        later = getattr(now, name)
-        earlier = None if before is None else getattr(before, name)
-        if later is None or (before is not None and earlier is None and name != "steps"):
-            diffs[name] = None
-            continue
-        later = np.asarray(later)
-        first = np.zeros_like(later[0]) if earlier is None else np.asarray(earlier)
-        diffs[name] = np.diff(np.concatenate([first[None], later]), axis=0)
-    went_back = (diffs["updates"] < 0).any(axis=1) | (diffs["dropped"] < 0).any(axis=1)
-    went_back |= (diffs["histogram"] < 0).any(axis=(1, 2))
-    if went_back.any():
-        for name in _RESET:
-            if diffs[name] is not None:
-                diffs[name][went_back] = getattr(now, name)[went_back]
-    return StalenessStats(
-        version=0,
-        staleness_max=now.staleness_max,
-        step_staleness_max=now.step_staleness_max,
-        **diffs,
-    )
-
-
-def _interval(now: StalenessStats, before: StalenessStats | None) -> StalenessStats:
-    """The counts between two snapshots (`_intervals` of one)."""
-    stacked = dataclasses.replace(
-        now,
-        **{
-            n: None if getattr(now, n) is None else np.asarray(getattr(now, n))[None]
-            for n in _COUNTS
-        },
-    )
-    one = _intervals(stacked, before)
-    return dataclasses.replace(
-        one,
-        version=now.version - (0 if before is None else before.version),
-        **{n: None if getattr(one, n) is None else getattr(one, n)[0] for n in _COUNTS},
-    )
-
-
-class _Background:
-    """Runs calls one after another in a thread that exits once idle.
-
-    Like the strategy's workers, the thread stops by itself a second after
-    its last call, so a `fit` that raised (Keras then skips `on_train_end`)
-    leaves no thread behind; the next call starts one again.
-    """
-
-    def __init__(self, name: str, idle_seconds: float = 1.0):
-        self._name = name
-        self._idle_seconds = idle_seconds
-        self._calls: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable, *args) -> None:
-        with self._lock:
-            self._calls.put((fn, args))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-
-    def wait(self) -> None:
-        """Returns once every submitted call has returned."""
-        self._calls.join()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                fn, args = self._calls.get(timeout=self._idle_seconds)
-            except queue.Empty:
-                with self._lock:
-                    if self._calls.empty():
-                        self._thread = None
-                        return
-                continue
-            try:
-                fn(*args)
-            finally:
-                self._calls.task_done()
 
 
 def _active_rule(optimizer) -> str | None:
@@ -277,7 +163,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         )
         self._writer: StalenessSummaryWriter | None = None
         self._window_writer = None  # the windows' scalars (`_write_windows`)
-        self._points = _Background("tf_diffmap-staleness-points")
+        self._points = Background("tf_diffmap-staleness-points")
         self._point_error: BaseException | None = None
         self._totals = None
         self._step_totals = None
@@ -357,7 +243,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._validation = 0.0
         self._training = True
         self._pauses = []
-        self._start_interval()
+        self._startinterval()
         if self._every is not None:
             steps = self.params.get("steps") if self.params else None
             self._steps_per_epoch = steps
@@ -381,7 +267,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
                 # costs nothing here.
                 strategy.drain()
                 now = strategy.statistics()
-                if _interval(now, self._snapshot).histogram.any():
+                if difference(now, self._snapshot).histogram.any():
                     self._write(self._batches, now)
             self._writer.flush()
         finally:
@@ -404,7 +290,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._every is None:
-            self._start_interval()
+            self._startinterval()
         else:
             self._epoch_start_batch = self._batches
 
@@ -586,11 +472,11 @@ class StalenessTensorBoard(keras.callbacks.Callback):
     def _write_many(self, read, keep: list[int], steps: np.ndarray) -> None:
         """Writes the points of snapshots `keep` of `read`, in one go."""
         before = self._snapshot
-        intervals = _intervals(read.stats(keep, before), before)
+        intervals = differences(read.stats(keep, before), before)
         seconds, lost = [], []
         for at in read.times[keep].tolist():
             seconds.append(self._seconds_to(at))
-            self._start_interval(at)
+            self._startinterval(at)
             lost.append(self._lost_at(at))
         self._writer.write_many(
             [int(steps[k]) for k in keep],
@@ -649,7 +535,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         self._points.wait()
         self._raise_point_error()
 
-    def _start_interval(self, at: float | None = None) -> None:
+    def _startinterval(self, at: float | None = None) -> None:
         """A new interval begins at wall-clock time `at` (now by default);
         validation runs that ended before it no longer count."""
         self._interval_start = time.time() if at is None else at
@@ -670,7 +556,7 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         seconds = self._seconds_to(at)
         self._writer.write(
             step,
-            _interval(now, self._snapshot),
+            difference(now, self._snapshot),
             now.version,
             seconds,
             self._lost_at(at),
@@ -678,4 +564,4 @@ class StalenessTensorBoard(keras.callbacks.Callback):
         )
         self._snapshot = now
         self._last_point = step
-        self._start_interval(at)
+        self._startinterval(at)
