@@ -182,6 +182,26 @@ def test_lost_ps_error_names_the_task_and_what_to_do():
     assert "/job:ps/replica:0/task:1" in str(error) and "BackupAndRestore" in str(error)
 
 
+def test_a_store_call_outside_the_loops_that_names_a_lost_ps_raises_the_lost_ps_error():
+    """The window timer's calls to the store fail as a replica's would."""
+    record = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
+    cause = tf.errors.UnavailableError(
+        None,
+        None,
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:0 while calling /tensorflow.eager.EagerService/Enqueue",
+    )
+    # The ps of this one-host test answers no probe: it is lost.
+    raised = record.store_error(cause)
+    assert isinstance(raised, tf.errors.UnavailableError) and raised.__cause__ is cause
+    assert "The parameter server /job:ps/replica:0/task:0 is unreachable" in str(raised)
+    assert "BackupAndRestore" in str(raised)
+    assert record.store_lost()
+    other = tf.errors.InvalidArgumentError(None, None, "a bad value")
+    assert record.store_error(other) is other
+    assert replicas.ReplicaRecord([W0 + "/device:CPU:0"]).store_error(cause) is cause
+
+
 def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
     """Keras re-raises what fit raises `from None`: `__cause__` is gone, the
     `runtime_error` attribute is not."""

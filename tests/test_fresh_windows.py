@@ -6,6 +6,10 @@ for it to close before it reads again, and the window timer closes (or
 fills) a window that waits past its patience on a slow replica.
 """
 
+import threading
+import time
+from types import SimpleNamespace
+
 import keras
 import numpy as np
 import pytest
@@ -13,6 +17,8 @@ import tensorflow as tf
 
 import tf_diffmap
 from tests.conftest import classification_data, compile_logits, mlp
+from tf_diffmap.engine.windows import WindowTimer
+from tf_diffmap.store.gate import Gate
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -182,3 +188,54 @@ def test_the_windows_figures_reach_tensorboard(tmp_path):
     ]
     windows = strategy.window_statistics()
     assert len(per_step) == 2 and float(per_step[-1]) == pytest.approx(windows.examples_per_step)
+
+
+def test_the_window_timer_never_holds_the_training_thread_on_a_store_that_does_not_answer():
+    """A ps that stops answering holds the timer's own threads only:
+    `start` makes no call to it, and once the store is known lost, `stop`
+    leaves the timer's thread to its call instead of joining it."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    calls = {"present": threading.Event(), "close": threading.Event()}
+    answers = {"present": threading.Event(), "close": threading.Event()}
+
+    def present():  # the first store call of `start` was telling the gate this
+        calls["present"].set()
+        answers["present"].wait()
+        return [0, 1]
+
+    def close_late(number, fill):  # a call to a ps that does not answer
+        calls["close"].set()
+        answers["close"].wait()
+        return 0, 0
+
+    lost, errors = [], []
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=present,
+        may_fill=lambda: False,
+        on_error=errors.append,
+        store_lost=lambda: bool(lost),
+    )
+
+    def in_thread(fn):
+        thread = threading.Thread(target=fn, daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        return not thread.is_alive()
+
+    assert in_thread(timer.start), "start waited on the store"
+    assert calls["present"].wait(timeout=30)  # the timer's thread makes that call
+    answers["present"].set()
+    # A window that opened long ago: its patience ran out, the timer closes it.
+    gate.opened.enqueue([np.int64(0), time.time() - 10.0, time.time() - 10.0])
+    assert calls["close"].wait(timeout=30)
+    lost.append(True)
+    assert in_thread(timer.stop), "stop waited on a lost store"
+    left = [t for t in threading.enumerate() if t.name == "tf_diffmap-windows"]
+    assert len(left) == 1  # left to its call
+    answers["close"].set()  # the call returns: the thread ends, and reports nothing
+    left[0].join(timeout=30)
+    assert not left[0].is_alive() and errors == []
+    assert int(gate.opened.size()) == 0

@@ -156,7 +156,7 @@ def connect(
     return replicas, store
 
 
-CLUSTER_MAX_STEP_STALENESS = 1
+CLUSTER_MAX_STEP_STALENESS = 0
 """The default of `max_step_staleness` on a cluster: asynchronous windows.
 
 Fresh windows (the default on one host) keep replicas in step through waits

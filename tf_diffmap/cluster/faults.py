@@ -474,10 +474,7 @@ class ClusterRecord(ReplicaRecord):
         if fault is None:
             return super().verdict(replica_id, error)
         if fault.job == "ps":
-            with self._faults_lock:
-                self.ps_lost = self.ps_lost or fault
-            self.rejoiner.stop(timeout=0)
-            return "failed", lost_ps_error(fault, error)
+            return "failed", self._ps_lost(fault, error)
         if fault.task != task_name(device):
             now = time.monotonic()
             with self._faults_lock:
@@ -502,6 +499,22 @@ class ClusterRecord(ReplicaRecord):
             )
         self.rejoiner.watch(fault.task)
         return "lost", None
+
+    def store_error(self, error: BaseException) -> BaseException:
+        """What an error of a store call outside the replicas' loops (the
+        window timer's) means: a lost ps, named as a replica's error names
+        it; any other error as it is."""
+        fault = classify(error)
+        if fault is None or fault.job != "ps":
+            return error
+        return self._ps_lost(fault, error)
+
+    def _ps_lost(self, fault: Fault, error: BaseException) -> tf.errors.UnavailableError:
+        """A ps task is lost: kept (the store is lost), and its error."""
+        with self._faults_lock:
+            self.ps_lost = self.ps_lost or fault
+        self.rejoiner.stop(timeout=0)
+        return lost_ps_error(fault, error)
 
     def stalled(self, seconds: float) -> BaseException | None:
         """No update applied for `seconds` while updates wait: the first ps

@@ -155,6 +155,12 @@ class ReplicaRecord:
         """What a replica's error means: (next state, error to raise or None)."""
         return "failed", restated(error, replica_id, self.replica_devices[replica_id])
 
+    def store_error(self, error: BaseException) -> BaseException:
+        """What an error of a call to the store made outside the replicas'
+        loops (the window timer's) means: the error to raise. On one host,
+        the error itself."""
+        return error
+
     def store_lost(self) -> bool:
         """Whether the parameter store is lost (never on one host)."""
         return False

@@ -230,6 +230,7 @@ class Runtime(ReplicaMembers):
                     present=self._present_replicas,
                     may_fill=lambda: any(feed.queued() for feed in self.feeds()),
                     on_error=self._timer_failed,
+                    store_lost=self.record.store_lost,
                 )
         return aggregation
 
@@ -292,6 +293,7 @@ class Runtime(ReplicaMembers):
         ]
 
     def _timer_failed(self, error: BaseException) -> None:
+        error = self.record.store_error(error)
         with self._error_lock:
             if self._error is None:
                 self._error = error

@@ -107,6 +107,11 @@ class WindowTimer:
             (a fill with nothing to compute would leave the window open).
         on_error: called with an error the timer's call raised (the timer
             then stops; the error ends training as a replica's would).
+        store_lost: whether the store is lost (a ps task that died or does
+            not answer): then `stop` leaves the threads to their calls.
+
+    Every call the timer makes to the store runs on its own threads: one to
+    a ps task that hangs holds them, never the training thread.
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class WindowTimer:
         present: Callable[[], list[int]],
         may_fill: Callable[[], bool],
         on_error: Callable[[BaseException], None],
+        store_lost: Callable[[], bool] = lambda: False,
     ):
         self.aggregation = aggregation
         self.gate = aggregation.gate
@@ -125,6 +131,7 @@ class WindowTimer:
         self._present = present
         self._may_fill = may_fill
         self._on_error = on_error
+        self._store_lost = store_lost
         self._stop = threading.Event()
         self._told_present: int | None = None
         self._threads: list[threading.Thread] = []
@@ -140,7 +147,6 @@ class WindowTimer:
                 return
             self._stop.clear()
             self._told_present = None
-            self._tell_present(self._present())
             self._opened = queue.SimpleQueue()
             self._threads = [
                 threading.Thread(target=self._read, name="tf_diffmap-windows-read", daemon=True),
@@ -150,15 +156,24 @@ class WindowTimer:
                 thread.start()
 
     def stop(self) -> None:
-        """Stops the threads (a window left open is the drain's to apply)."""
+        """Stops the threads (a window left open is the drain's to apply).
+
+        The reader ends at once (its queue is on this host). Where the
+        store is lost, the timer's thread may be in a call to a ps task
+        that died or does not answer: it is left to that call, as a hung
+        replica's is, and ends when the call does.
+        """
         with self._lock:
             threads, self._threads = self._threads, []
         if not threads:
             return
         self._stop.set()
         self.gate.opened.enqueue([np.int64(-1), 0.0, 0.0])
-        for thread in threads:
-            thread.join()
+        self._opened.put((-1, 0.0, 0.0))
+        reader, timer = threads
+        reader.join()
+        if not self._store_lost():
+            timer.join()
         # What the reader left, the sentinel included if it had stopped.
         while int(self.gate.opened.size()):
             self.gate.opened.dequeue()
@@ -202,6 +217,11 @@ class WindowTimer:
         number = None
         deadline = patience = 0.0
         try:
+            # Here, not in `start`, which runs on the training thread: a ps
+            # that does not answer holds this thread only. Until it is told,
+            # the gate counts the replicas last told (each window's opening
+            # tells it again).
+            self._tell_present(self._present())
             while True:
                 timeout = None if number is None else max(deadline - time.time(), 0.0)
                 try:
