@@ -71,11 +71,20 @@ CONTENDERS = {
         Contender("tf_diffmap_bounded", "tf_diffmap bounded", asynchronous=True),
         Contender("central_storage", "CentralStorage (tf-keras)", legacy=True),
         Contender("tf_diffmap_cluster", "tf_diffmap, localhost cluster", asynchronous=True),
+        # The same cluster with asynchronous windows (`max_step_staleness=1`).
+        Contender(
+            "tf_diffmap_cluster_async",
+            "tf_diffmap, localhost cluster, asynchronous windows",
+            asynchronous=True,
+        ),
         Contender("parameter_server", "ParameterServerStrategy (tf-keras)", legacy=True),
     )
 }
 
 DEVICES = ("cpu", "gpu")
+
+# The contenders that train tf_diffmap on a localhost cluster of their own.
+TF_DIFFMAP_CLUSTER = ("tf_diffmap_cluster", "tf_diffmap_cluster_async")
 
 
 def label(name: str, max_staleness: int | None = None) -> str:
@@ -186,7 +195,7 @@ class Runtime:
     @property
     def local_cluster(self):
         """The `tf_diffmap.cluster.LocalCluster` of `tf_diffmap_cluster`, else None."""
-        return self._servers if self.name == "tf_diffmap_cluster" else None
+        return self._servers if self.name in TF_DIFFMAP_CLUSTER else None
 
     def process_ids(self) -> list[int]:
         """The processes this contender trains in: this one, and the servers
@@ -217,7 +226,7 @@ class Runtime:
         tf = self.tf
         if self.name == "plain_keras":
             return None
-        if self.name == "tf_diffmap_cluster":
+        if self.name in TF_DIFFMAP_CLUSTER:
             from tf_diffmap import cluster
 
             self._servers = self._start_local_cluster()
@@ -304,7 +313,7 @@ class Runtime:
             options["late_window"] = "fill" if self.name.endswith("_fill") else "close"
         if self.name == "tf_diffmap_requeue":
             options["late_shards"] = "requeue"
-        if self.name == "tf_diffmap_async_windows":
+        if self.name in ("tf_diffmap_async_windows", "tf_diffmap_cluster_async"):
             options["max_step_staleness"] = 1
         return options
 

@@ -38,7 +38,7 @@ WORKLOADS = (
 )
 
 # Contenders that only the cluster workload runs (each brings its own cluster).
-CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "parameter_server")
+CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "tf_diffmap_cluster_async", "parameter_server")
 
 # The `AsyncOptimizer` rules that change a step where the store aggregates
 # the shards' gradients into steps (tf_diffmap's default): "drop" decides per
@@ -48,7 +48,7 @@ AGGREGATED_RULES = ("drop",)
 
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
-SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster",)
+SPLIT_BATCH_CONTENDERS = ("tf_diffmap_cluster", "tf_diffmap_cluster_async")
 
 
 @dataclasses.dataclass(frozen=True)

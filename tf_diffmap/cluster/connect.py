@@ -156,19 +156,6 @@ def connect(
     return replicas, store
 
 
-CLUSTER_MAX_STEP_STALENESS = 0
-"""The default of `max_step_staleness` on a cluster: asynchronous windows.
-
-Fresh windows (the default on one host) keep replicas in step through waits
-on the ps, and a timer on the chief closes late windows there. Their fault
-cases on a cluster are not all handled yet: a worker killed mid-step is
-(tests/test_aggregation_cluster.py), but in the slow suite of 2026-12-07 a
-ps that was killed, paused or cut off failed the tests that check its
-error (the timer's call to the ps raised first, an error that does not
-name it, or waited). Until they pass, a cluster trains with asynchronous
-windows unless `max_step_staleness=0` is given."""
-
-
 def strategy_for_cluster(
     cluster_resolver=None,
     connect_timeout: float = CONNECT_TIMEOUT,
@@ -195,9 +182,8 @@ def strategy_for_cluster(
             own port in the cluster spec plus one (0: any free port, read
             it from `membership_of(strategy).port`).
         **kwargs: other `Strategy` options (`replicas_per_device`,
-            `max_staleness`, `queue_size`, `variable_partitioner`);
-            `max_step_staleness` is `CLUSTER_MAX_STEP_STALENESS` (1,
-            asynchronous windows) unless given.
+            `max_step_staleness`, `queue_size`, `variable_partitioner`),
+            with the same defaults as on one host: fresh windows.
 
     Returns:
         The strategy; variables are sharded over the ps tasks, and with
@@ -234,7 +220,6 @@ def strategy_for_cluster(
         free = [i for i in range(max_workers + max(workers) + 1) if i not in workers]
         free = free[: max_workers - len(workers)]
         reserved = _slot_devices(replicas, workers[0], free)
-    kwargs.setdefault("max_step_staleness", CLUSTER_MAX_STEP_STALENESS)
     strategy = Strategy(
         devices=replicas, parameter_device=store, reserved_devices=reserved, **kwargs
     )
