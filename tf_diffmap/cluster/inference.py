@@ -54,6 +54,12 @@ class ClusterInference:
         shards: how many shards each batch is cut into: one per replica
             slot, or 1 for a step that assigns a variable other than by
             adding to it (`inference.splits_over_replicas`).
+
+    Attributes:
+        shards_run: per replica, the shards whose result it gave (each
+            shard counted once, on the replica whose call was kept).
+        shards_run_again: the shards run again on another replica, their
+            first replica lost or hung.
     """
 
     def __init__(self, step: ReplicaStep, runtime: Runtime, shards: int):
@@ -66,6 +72,8 @@ class ClusterInference:
         leaves = tf.nest.flatten(outputs)
         self._output_specs = [leaves[i] for i in step.output_specs()[2]]
         self._written = [variable for variable, _ in step.deferred]
+        self.shards_run = [0] * len(runtime.replica_devices)
+        self.shards_run_again = 0
 
     def call_in_graph(self, args, kwargs):
         """Runs the batch's shards (after a drain); the outputs are per shard,
@@ -101,7 +109,11 @@ class ClusterInference:
         self.runtime.drain_from_graph()
         with tf.device(self.runtime.client_host):
             shards = split_in_graph(list(tensors), self.shards)
-        results = ShardRun(self.runtime, self._call, shards).run()
+        run = ShardRun(self.runtime, self._call, shards)
+        results = run.run()
+        for replica in run.holders():
+            self.shards_run[replica] += 1
+        self.shards_run_again += run.run_again()
         flat = [tensor for outputs, _ in results for tensor in outputs]
         for k, (_, plain) in enumerate(self.step.deferred):
             values = [held[k] for _, held in results]

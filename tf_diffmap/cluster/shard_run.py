@@ -122,6 +122,14 @@ class ShardRun:
                 self._changed.notify_all()
         return [shard.result for shard in self.shards]
 
+    def holders(self) -> list[int]:
+        """Per shard done, the replica whose call gave its result."""
+        return [s.holder for s in self.shards if s.state is ShardState.DONE]
+
+    def run_again(self) -> int:
+        """The shards done whose kept call was not their first."""
+        return sum(s.state is ShardState.DONE and s.attempt > 1 for s in self.shards)
+
     # -- the waiting thread ---------------------------------------------------
 
     def _wait(self, replicas: list[int]) -> None:
