@@ -91,7 +91,7 @@ CHIEF = textwrap.dedent(
             return {
                 "shards_run": [sum(s.shards_run[r] for s in steps)
                                for r in range(len(strategy.replica_devices))],
-                "shards": [s.shards for s in steps],
+                "shards": [s.pieces for s in steps],
                 "run_again": sum(s.shards_run_again for s in steps),
             }
 

@@ -223,11 +223,10 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         from tf_diffmap.cluster.inference import ClusterInference
 
         splits = splits_over_replicas(step, self.runtime)
-        shards = len(self.runtime.replica_devices) if splits else 1
         held = ReplicaStep(
             self.runtime, self._container_strategy(), fn, args, kwargs, defer_writes=True
         )
-        return ClusterInference(held, self.runtime, shards)
+        return ClusterInference(held, self.runtime, splits)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # Each replica applies its own gradient: there is nothing to reduce.
@@ -304,6 +303,12 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         if runtime.lost_tasks():
             # Its functions are removed from every task once Keras drops it.
             runtime.keep_functions(_tf_internal.dataset_functions(made))
+        elif runtime.worker_hosts is not None:
+            # Held until the next evaluation's: dropped at the end of this
+            # one, they would be removed from every task, and a worker hung
+            # meanwhile, not yet known to be, would hold the removal (and
+            # Python's GIL) for as long as it does not answer.
+            runtime.inference_functions = _tf_internal.dataset_functions(made)
         return self._distributed(made)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):

@@ -1,12 +1,14 @@
-"""One inference batch's shards, run exactly once on the live replicas of a cluster.
+"""One inference batch's shards, run exactly once on the live workers of a cluster.
 
-`ShardRun` hands a batch's shards to the replicas of the workers present,
-one thread per replica, and keeps each shard's result once. A shard's call
-holds the step's writes as outputs (`_tf_internal.deferring_writes`): a call
-cut off by a lost worker has written nothing, so its shard runs again on
-another replica and is counted once, from the one call that returned. This
-is the exactly-once visitation that `ParameterServerStrategy`'s inline
-evaluation offers, at the grain of a shard.
+`ShardRun` hands a batch's shards to runners (a replica of each live worker
+task, `ClusterInference` gives them), one thread per runner, and keeps each
+shard's result once. Here a shard is what one call runs: a worker slot's
+share of the batch, one piece per replica of that slot. A call holds the
+step's writes as outputs (`_tf_internal.deferring_writes`): a call cut off
+by a lost worker has written nothing, so its shard runs again on another
+worker and is counted once, from the one call that returned. This is the
+exactly-once visitation that `ParameterServerStrategy`'s inline evaluation
+offers.
 
 A shard's life is a `ShardState`; a replica's comes from the strategy's
 record (`ClusterRecord.verdict`: lost, or another task was, or fatal), and
@@ -56,7 +58,7 @@ class ShardState(enum.Enum):
 class _Shard:
     """A shard's state, its current call, and its result once DONE."""
 
-    def __init__(self, index: int, tensors: Sequence[Any]):
+    def __init__(self, index: int, tensors: Any):
         self.index = index
         self.tensors = tensors
         self.state = ShardState.QUEUED
@@ -70,21 +72,24 @@ class ShardRun:
     """Runs a batch's shards once each on the live replicas (see the module).
 
     Args:
-        runtime: the strategy's runtime (its record of lost and absent
-            replicas, `worker_timeout`, and the verdict on an error).
-        call: `(replica_id, shard tensors) -> result`, one replica's call
-            of the step on a shard; its result is kept as it is.
+        runtime: the strategy's runtime (`worker_timeout`, the verdict on an
+            error, and the replicas that hang together).
+        call: `(runner, shard) -> result`, a runner's call of the step on a
+            shard; its result is kept as it is.
         shards: the batch's shards, in order.
+        runners: the replicas that run calls (one per live worker task).
     """
 
     def __init__(
         self,
         runtime: Runtime,
-        call: Callable[[int, Sequence[Any]], Any],
-        shards: Sequence[Sequence[Any]],
+        call: Callable[[int, Any], Any],
+        shards: Sequence[Any],
+        runners: Sequence[int],
     ):
         self.runtime = runtime
         self.call = call
+        self.runners = list(runners)
         self.shards = [_Shard(k, tensors) for k, tensors in enumerate(shards)]
         self._changed = threading.Condition()
         # Replicas that take no more shards: lost, hung, or whose call failed.
@@ -103,9 +108,7 @@ class ShardRun:
             `tf.errors.UnavailableError` once no replica is left to run a
             shard (every live one lost or hung).
         """
-        record = self.runtime.record
-        gone = record.lost() | record.absent()
-        replicas = [r for r in range(len(self.runtime.replica_devices)) if r not in gone]
+        replicas = self.runners
         threads = [
             threading.Thread(
                 target=self._serve, args=(r,), name=f"tf_diffmap-inference-{r}", daemon=True

@@ -1,7 +1,8 @@
 """A step that applies no update, split over every replica (evaluate, predict).
 
 Keras' `evaluate`, `predict` and the validation inside `fit` call
-`strategy.run` with a step that claims no version. On one host that step
+`strategy.run` with a step that claims no version (on a cluster:
+`tf_diffmap.cluster.inference`). On one host that step
 runs as `MirroredStrategy` runs it: after a drain (the step must see a
 settled model), the batch is cut into one shard per replica, as a training
 batch is (`shards.split_in_graph`), and every replica runs its shard at the
