@@ -24,7 +24,7 @@ BATCHES = -(-EXAMPLES // BATCH)
 
 CHIEF = textwrap.dedent(
     """
-    import json, os, sys, threading, time
+    import json, os, sys, threading, time, warnings
     import keras, numpy as np, tensorflow as tf
     from keras import ops
     from cluster_chief import pause_task
@@ -47,6 +47,19 @@ CHIEF = textwrap.dedent(
         def result(self):
             return self.seen
 
+    class Peak(keras.metrics.Metric):
+        "The largest prediction: a state assigned, not added to."
+
+        def __init__(self, name="peak", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.peak = self.add_variable(shape=(), initializer="zeros", name="peak")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.peak.assign(ops.maximum(self.peak, ops.max(y_pred)))
+
+        def result(self):
+            return self.peak
+
     class DeviceTime(keras.layers.Layer):
         "Sleeps 2 ms an example on the replica's worker: shards take a while."
 
@@ -59,7 +72,7 @@ CHIEF = textwrap.dedent(
             with tf.control_dependencies([slept]):
                 return tf.identity(inputs)
 
-    def build(device_time):
+    def build(device_time, extra=()):
         model = keras.Sequential(
             [keras.Input((8,)), *([DeviceTime()] if device_time else []),
              keras.layers.Dense(16, activation="relu"),
@@ -68,7 +81,7 @@ CHIEF = textwrap.dedent(
             optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
             metrics=["accuracy", keras.metrics.AUC(name="auc"),
                      keras.metrics.Precision(name="precision"),
-                     keras.metrics.BinaryCrossentropy(name="crossentropy"), Seen()])
+                     keras.metrics.BinaryCrossentropy(name="crossentropy"), Seen(), *extra])
         return model
 
     rng = np.random.default_rng(0)
@@ -121,11 +134,23 @@ CHIEF = textwrap.dedent(
                 plain.evaluate(x[800:], y[800:], batch_size=32, verbose=0, return_dict=True),
             ]
         elif scenario == "worker0_gone":
+            with strategy.scope():
+                peaked = build(False, [Peak()])
+            peaked.set_weights(model.get_weights())
             local.kill("worker", 0)
             report["evaluate"] = both(evaluate)
             got, want = both(lambda m: m.predict(x, batch_size=BATCH, verbose=0))
             report["predict_difference"] = float(np.abs(got - want).max())
             report["after_evaluate"] = inference()
+            # A step that assigns a variable: whole batches, on worker 1.
+            plain_peaked = build(False, [Peak()])
+            plain_peaked.set_weights(model.get_weights())
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                report["assigned"] = [evaluate(peaked), evaluate(plain_peaked)]
+            report["assigned_warned"] = any(
+                "runs each batch whole" in str(w.message) for w in caught)
+            report["after_assigned"] = inference()
         else:
             pid = local.pids[("worker", 1)]
 
@@ -190,6 +215,11 @@ def test_evaluate_with_worker_0_gone(tmp_path):
     assert report["predict_difference"] < 1e-6
     shards_run = report["after_evaluate"]["shards_run"]
     assert shards_run[0] == 0 and shards_run[1] == 2 * 2 * BATCHES, shards_run
+    # A step that assigns a variable runs each batch whole, with a warning.
+    assert_same(report["assigned"])
+    assert report["assigned_warned"]
+    assert report["after_assigned"]["shards"] == [2, 2, 1]
+    assert report["after_assigned"]["shards_run"][1] == 2 * 2 * BATCHES + BATCHES
 
 
 def test_a_worker_killed_mid_evaluation_has_its_shards_run_again_once(tmp_path):
