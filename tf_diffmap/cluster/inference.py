@@ -3,26 +3,23 @@
 Keras' `evaluate`, `predict` and the validation inside `fit` call
 `strategy.run` with a step that claims no version. On a cluster that step
 runs as on one host (`tf_diffmap.engine.inference`): after a drain, each
-batch is cut into one piece per replica slot (the training's unit,
-`shards.split_in_graph`), and the pieces run at the same time on the
+batch is cut into one shard per replica slot (the training's unit,
+`shards.split_in_graph`), and the shards run at the same time on the
 replicas of every worker present, lost and absent ones left out. Unlike
-one host, a worker may be lost mid-batch, so:
+one host, a replica may be lost mid-batch, so:
 
 - the step is traced with its writes held as outputs
   (`ReplicaStep(defer_writes=True)`): a metric's `v.assign(v + d)` returns
   `d` rather than writing it;
-- from a `tf.py_function` of Keras' graph, while every worker serves, one
-  call runs every worker slot's shard (its pieces) on its own worker; if
-  that call fails or is slow, or a worker is lost, each slot's shard is
-  handed to a live worker by a `shard_run.ShardRun`, and a shard whose
-  worker is lost or hung runs again on another; each shard's result is
-  kept once;
-- the graph then applies every piece's held writes, summed, once: a
-  metric's state is the sum of every piece's contribution, each counted
+- the shards are handed to the live replicas by a `shard_run.ShardRun`
+  from a `tf.py_function` of Keras' graph: a shard whose replica is lost
+  or hung runs again on another, and each shard's result is kept once;
+- the graph then applies every shard's held writes, summed, once: a
+  metric's state is the sum of every shard's contribution, each counted
   once, as Keras merges `MirroredStrategy`'s replicas.
 
-`strategy.run` returns one value per piece (`_tf_internal.per_replica`), in
-the batch's order, which Keras reduces as it reduces `MirroredStrategy`'s: the
+`strategy.run` returns one value per shard (`_tf_internal.per_replica`), in
+shard order, which Keras reduces as it reduces `MirroredStrategy`'s: the
 mean of the test step's results, the concatenation of the predictions (in
 input order). The metrics a step returns are read before its batch's writes
 are applied (a read inside the step does not see them); what `evaluate`
@@ -31,10 +28,6 @@ returns is read after the last batch.
 
 from __future__ import annotations
 
-import collections
-import logging
-import threading
-import time
 from typing import TYPE_CHECKING
 
 import tensorflow as tf
@@ -42,7 +35,6 @@ import tensorflow as tf
 from tf_diffmap import _tf_internal
 from tf_diffmap.cluster.shard_run import ShardRun
 from tf_diffmap.devices import task_name
-from tf_diffmap.engine.replicas import short_message
 from tf_diffmap.engine.shards import split_in_graph
 from tf_diffmap.engine.threads import in_clean_thread
 
@@ -52,23 +44,16 @@ if TYPE_CHECKING:
 
 __all__ = ["ClusterInference"]
 
-logger = logging.getLogger("tf_diffmap")
-
-# The least a call of every worker at once is waited for, in seconds.
-PATIENCE = 1.0
-
 
 class ClusterInference:
     """A step that applies no update, its shards run on a cluster's live workers.
 
     Each batch is cut into one piece per replica slot; the pieces of one
-    worker slot are that slot's shard, and a worker runs a shard in one
-    call: every piece at once, each on one of its own replicas' compute
-    devices, and the results copied to this host inside the call. While
-    every slot's worker serves, one call runs every slot's shard on its own
-    worker (`_at_once`); otherwise, or when that call fails or is slow,
-    each worker runs its own slot's shard and a lost or absent slot's shard
-    goes to whichever live worker takes it first (`shard_run.ShardRun`).
+    worker slot are that slot's shard, and a live worker runs a shard in
+    one call: every piece at once, each on one of its own replicas' compute
+    devices, and the results copied to this host inside the call. A worker
+    runs its own slot's shard, and a lost or absent slot's shard goes to
+    whichever live worker takes it first (`shard_run.ShardRun`).
 
     Args:
         step: the replica step, traced for every compute device with its
@@ -106,8 +91,6 @@ class ClusterInference:
         self._written = [variable for variable, _ in step.deferred]
         self.shards_run = [0] * len(devices)
         self.shards_run_again = 0
-        # The latest calls of every worker at once: their seconds.
-        self._seconds: collections.deque[float] = collections.deque(maxlen=20)
         # Per (worker slot, pieces in a shard), that worker's call.
         self._calls = in_clean_thread(self._trace_calls)
 
@@ -153,20 +136,13 @@ class ClusterInference:
         shards = [[pieces[r] for r in share] for share in self._shares]
         gone = self.runtime.record.lost() | self.runtime.record.absent()
         runners = [r for replicas in self._tasks for r in replicas[:1] if r not in gone]
-        results, waited = None, 0.0
-        if None in self._calls and len(runners) == len(self._tasks):
-            results, waited = self._at_once(shards)
-        if results is None:
-            run = ShardRun(self.runtime, self._call, list(enumerate(shards)), runners, waited)
-            results = run.run()
-            holders = run.holders()
-            self.shards_run_again += run.run_again()
-        else:
-            holders = [replicas[0] for replicas in self._tasks]
-        for runner, share in zip(holders, self._shares):
+        run = ShardRun(self.runtime, self._call, list(enumerate(shards)), runners)
+        results = run.run()
+        for runner, (index, _) in zip(run.holders(), enumerate(shards)):
             worker = self._tasks[self._slot_of(runner)]
-            for k in range(len(share)):
+            for k in range(len(self._shares[index])):
                 self.shards_run[worker[k % len(worker)]] += 1
+        self.shards_run_again += run.run_again()
         count, written = len(self._output_specs), len(self._written)
         outputs, held = [None] * self.pieces, []
         for share, result in zip(self._shares, results):
@@ -179,62 +155,6 @@ class ClusterInference:
             # Whole (an assignment): its one value; else the additions.
             flat.append(values[0] if plain else tf.add_n(values))
         return [*flat, True]
-
-    def _at_once(self, shards) -> tuple[list | None, float]:
-        """Every worker slot's own shard in one call, while every worker
-        serves: one round trip from this host rather than one per worker.
-
-        Returns:
-            Per shard its results, or None where the call failed or did not
-            answer within its patience (at most half of `worker_timeout`):
-            the shards then run per worker (`ShardRun`), which meets what
-            failed again and judges it, and takes a call for hung once the
-            batch has waited `worker_timeout` in all. And the seconds waited.
-        """
-        flat = [t for shard in shards for piece in shard for t in piece]
-        box: dict = {}
-        done = threading.Event()
-
-        def call():
-            try:
-                box["results"] = self._calls[None](*flat)
-            except Exception as error:  # noqa: BLE001 -- met again per worker, then judged
-                box["error"] = error
-            finally:
-                done.set()
-
-        start = time.monotonic()
-        threading.Thread(target=call, name="tf_diffmap-inference-all", daemon=True).start()
-        answered = done.wait(self._patience())
-        waited = time.monotonic() - start
-        if not answered or "error" in box:
-            logger.info(
-                "An evaluation batch's call of every worker %s; its shards run per worker.",
-                f"failed ({short_message(box['error'])})"
-                if answered
-                else f"did not answer in {waited:.1f} s",
-            )
-            return None, waited
-        self._seconds.append(waited)
-        per_shard = [
-            len(share) * (len(self._output_specs) + len(self._written) + 1)
-            for share in self._shares
-        ]
-        results, start = [], 0
-        for size in per_shard:
-            results.append(box["results"][start : start + size])
-            start += size
-        return results, waited
-
-    def _patience(self) -> float:
-        """How long a call of every worker is waited for: ten times the
-        median of the latest, at least `PATIENCE` seconds, at most half of
-        `worker_timeout`."""
-        recent = sorted(self._seconds)
-        patience = max(PATIENCE, 10 * recent[len(recent) // 2]) if recent else PATIENCE
-        if self.runtime.worker_timeout is not None:
-            patience = min(patience, self.runtime.worker_timeout / 2)
-        return patience
 
     def _slot_of(self, replica: int) -> int:
         return next(w for w, replicas in enumerate(self._tasks) if replica in replicas)
@@ -250,47 +170,30 @@ class ClusterInference:
         """Per worker slot and shard size, `(*pieces' tensors) -> per piece
         its outputs, then per piece its held writes, then per piece its
         claims`: every piece at once, each on one of the slot's replicas,
-        the results copied to this host; and under the key None, every
-        slot's own shard at once, their results one after the other.
-        Traced without automatic control dependencies (`wrap_function`):
-        the pieces' calls would be run one after another. A wrapped function
-        keeps only what its outputs need: the claims keep a piece whose
-        step gives nothing else."""
+        the results copied to this host. Traced without automatic control
+        dependencies (`wrap_function`): the pieces' calls would be run one
+        after another. A wrapped function keeps only what its outputs need:
+        the claims keep a piece whose step gives nothing else."""
         sizes = sorted({len(share) for share in self._shares})
         specs = list(self.step.specs)
         calls = {}
-        for slot in range(len(self._tasks)):
+        for slot, replicas in enumerate(self._tasks):
             for size in sizes:
 
-                def call(*tensors, slot=slot, size=size):
-                    return self._slot_call(slot, size, tensors)
+                def call(*tensors, replicas=replicas, size=size):
+                    outputs, held, claims = [], [], []
+                    for k in range(size):
+                        replica = replicas[k % len(replicas)]
+                        device = self.runtime.compute_devices[replica]
+                        piece = tensors[k * len(specs) : (k + 1) * len(specs)]
+                        results = self.step.concretes[device](
+                            tf.constant(replica, tf.int32), *piece
+                        )
+                        outputs.extend(self.step.flat_outputs(results[0]))
+                        claims.append(results[1])
+                        held.extend(results[2])
+                    with tf.device(self.runtime.client_host):
+                        return [tf.identity(t) for t in outputs + held + claims]
 
                 calls[(slot, size)] = tf.compat.v1.wrap_function(call, specs * size)
-        if len(self._shares) == len(self._tasks):
-
-            def every_slot(*tensors):
-                results, start = [], 0
-                for slot, share in enumerate(self._shares):
-                    end = start + len(share) * len(specs)
-                    results.extend(self._slot_call(slot, len(share), tensors[start:end]))
-                    start = end
-                return results
-
-            calls[None] = tf.compat.v1.wrap_function(every_slot, specs * self.pieces)
         return calls
-
-    def _slot_call(self, slot: int, size: int, tensors) -> list[tf.Tensor]:
-        """A slot's call of `size` pieces, traced (see `_trace_calls`)."""
-        replicas = self._tasks[slot]
-        specs = self.step.specs
-        outputs, held, claims = [], [], []
-        for k in range(size):
-            replica = replicas[k % len(replicas)]
-            device = self.runtime.compute_devices[replica]
-            piece = tensors[k * len(specs) : (k + 1) * len(specs)]
-            results = self.step.concretes[device](tf.constant(replica, tf.int32), *piece)
-            outputs.extend(self.step.flat_outputs(results[0]))
-            claims.append(results[1])
-            held.extend(results[2])
-        with tf.device(self.runtime.client_host):
-            return [tf.identity(t) for t in outputs + held + claims]

@@ -78,9 +78,6 @@ class ShardRun:
             shard; its result is kept as it is.
         shards: the batch's shards, in order.
         runners: the replicas that run calls (one per live worker task).
-        waited: seconds the batch has already waited for its workers (a
-            call of every worker at once, given up): a call is taken for
-            hung that much sooner.
     """
 
     def __init__(
@@ -89,12 +86,10 @@ class ShardRun:
         call: Callable[[int, Any], Any],
         shards: Sequence[Any],
         runners: Sequence[int],
-        waited: float = 0.0,
     ):
         self.runtime = runtime
         self.call = call
         self.runners = list(runners)
-        self.waited = waited
         self.shards = [_Shard(k, tensors) for k, tensors in enumerate(shards)]
         self._changed = threading.Condition()
         # Replicas that take no more shards: lost, hung, or whose call failed.
@@ -142,8 +137,6 @@ class ShardRun:
 
     def _wait(self, replicas: list[int]) -> None:
         timeout = self.runtime.worker_timeout
-        if timeout is not None:
-            timeout = max(timeout - self.waited, 0.0)
         with self._changed:
             while True:
                 if self._error is not None:
@@ -165,7 +158,7 @@ class ShardRun:
             if shard.state is not ShardState.RUNNING or now - shard.started < timeout:
                 continue
             group = self.runtime.group_of(shard.holder)
-            self.runtime.hung(shard.holder, group, now - shard.started + self.waited)
+            self.runtime.hung(shard.holder, group, now - shard.started)
             self._hung.append(list(group))
             self._out.update(group)
             for other in self.shards:
