@@ -35,7 +35,15 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = [
+    "main",
+    "median",
+    "model_builder",
+    "print_table",
+    "run_rounds",
+    "time_calls",
+    "workload_data",
+]
 
 REPLICAS = 4
 EXAMPLES = 10_240
@@ -44,15 +52,13 @@ FEATURES, CLASSES = 64, 10
 VARIANTS = ("tf_diffmap (split)", "tf_diffmap (whole batch)", "MirroredStrategy", "plain Keras")
 
 
-def _run(variant: str, device_ms_per_example: float, repeats: int) -> dict:
-    import tf_diffmap
-
-    tf_diffmap.split_devices(REPLICAS, "CPU")
+def model_builder(delay: dict):
+    """`build(device_time) -> compiled model`: the workload's MLP, with a
+    layer that sleeps `delay["seconds_per_example"]` per example of each
+    call if `device_time` (read at each call, so it can change)."""
     import keras
     import numpy as np
     import tensorflow as tf
-
-    delay = {"seconds_per_example": device_ms_per_example / 1e3}
 
     class DeviceTime(keras.layers.Layer):
         """Sleeps in proportion to the examples of each call, training or not."""
@@ -84,6 +90,59 @@ def _run(variant: str, device_ms_per_example: float, repeats: int) -> dict:
         )
         return model
 
+    return build
+
+
+def workload_data():
+    """The workload's `(labelled batches, input batches)` datasets."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=EXAMPLES)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).prefetch(2)
+    inputs = tf.data.Dataset.from_tensor_slices(x).batch(BATCH).prefetch(2)
+    return data, inputs
+
+
+def time_calls(model_for, delay: dict, device_ms_per_example: float, repeats: int) -> dict:
+    """Seconds of each timed `evaluate` and `predict` call (after one that
+    traces), with device time and with none: `{"evaluate@0.1": [...], ...}`.
+
+    Args:
+        model_for: `device_ms -> model` (built where the variant builds it).
+        delay: the dict the models' device-time layer reads.
+        device_ms_per_example: the emulated device time.
+        repeats: timed calls of each.
+    """
+    data, inputs = workload_data()
+    result = {}
+    for device_ms in (device_ms_per_example, 0.0):
+        delay["seconds_per_example"] = device_ms / 1e3
+        model = model_for(device_ms)
+        for name, call in (
+            ("evaluate", lambda model=model: model.evaluate(data, verbose=0)),
+            ("predict", lambda model=model: model.predict(inputs, verbose=0)),
+        ):
+            call()  # traced and warm
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            result[f"{name}@{device_ms:g}"] = seconds
+    return result
+
+
+def _run(variant: str, device_ms_per_example: float, repeats: int) -> dict:
+    import tf_diffmap
+
+    tf_diffmap.split_devices(REPLICAS, "CPU")
+    import tensorflow as tf
+
+    delay = {"seconds_per_example": device_ms_per_example / 1e3}
+    build = model_builder(delay)
     devices = [f"CPU:{i}" for i in range(REPLICAS)]
     strategy = None
     if variant != "plain Keras":
@@ -102,33 +161,60 @@ def _run(variant: str, device_ms_per_example: float, repeats: int) -> dict:
         with strategy.scope():
             return build(device_ms > 0)
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
-    y = rng.integers(0, CLASSES, size=EXAMPLES)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).prefetch(2)
-    inputs = tf.data.Dataset.from_tensor_slices(x).batch(BATCH).prefetch(2)
-    result = {"variant": variant}
-    for device_ms in (device_ms_per_example, 0.0):
-        delay["seconds_per_example"] = device_ms / 1e3
-        model = model_for(device_ms)
-        for name, call in (
-            ("evaluate", lambda model=model: model.evaluate(data, verbose=0)),
-            ("predict", lambda model=model: model.predict(inputs, verbose=0)),
-        ):
-            call()  # traced and warm
-            seconds = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                call()
-                seconds.append(time.perf_counter() - start)
-            result[f"{name}@{device_ms:g}"] = seconds
-    return result
+    return {"variant": variant, **time_calls(model_for, delay, device_ms_per_example, repeats)}
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
     values = sorted(values)
     middle = len(values) // 2
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def run_rounds(module: str, variants, rounds: int, options: list[str], env: dict) -> dict:
+    """Runs `python -m <module> --worker <variant> <options>` for every
+    variant, alternating within each round; each run's last line is its
+    JSON row (`variant` and, per key, its seconds), printed as it comes.
+
+    Returns:
+        Per variant, per key, the seconds of every round together.
+    """
+    times: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            command = [sys.executable, "-m", module, "--worker", variant, *options]
+            out = subprocess.run(command, env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"{variant} failed:\n{out.stderr[-4000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            print(json.dumps(row), flush=True)
+            for key, seconds in row.items():
+                if key != "variant":
+                    times[variant].setdefault(key, []).extend(seconds)
+    return times
+
+
+def print_table(times: dict, reference: str, caption: str) -> None:
+    """A Markdown table of the median seconds per call of each variant and
+    key (`name@device_ms`), with the ratio to `reference`'s."""
+    if reference not in times:
+        reference = next(iter(times))
+    keys = list(times[reference])
+    print(f"\n{caption}; in brackets, that time over {reference}'s")
+    print(f"(above 1: {reference} is faster)")
+    header = ["variant"] + [
+        f"{k.split('@')[0]}, device {float(k.split('@')[1]):g} ms/example" for k in keys
+    ]
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for variant, row in times.items():
+        cells = [variant]
+        for key in keys:
+            if key not in row:
+                cells.append("")
+                continue
+            own = median(row[key])
+            cells.append(f"{own:.3f} ({own / median(times[reference][key]):.2f}x)")
+        print("| " + " | ".join(cells) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,41 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(_run(args.worker, args.device_ms_per_example, args.repeats)))
         return 0
-    times: dict[str, dict[str, list[float]]] = {v: {} for v in args.variants}
-    for _ in range(args.rounds):
-        for variant in args.variants:
-            env = dict(os.environ, TF_NUM_INTEROP_THREADS=str(REPLICAS + 8))
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            command = [sys.executable, "-m", "benchmarks.evaluation", "--worker", variant]
-            command += ["--device-ms-per-example", str(args.device_ms_per_example)]
-            command += ["--repeats", str(args.repeats)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(json.dumps(row), flush=True)
-            for key, seconds in row.items():
-                if key != "variant":
-                    times[variant].setdefault(key, []).extend(seconds)
-    keys = list(next(iter(times.values())))
-    reference = "tf_diffmap (split)"
-    print(
-        f"\n{EXAMPLES} examples, batch {BATCH}, {REPLICAS} replicas; seconds per call "
-        f"(median of {args.rounds * args.repeats}); in brackets, that time over "
-        f"{reference}'s (above 1: {reference} is faster)"
+    env = dict(os.environ, TF_NUM_INTEROP_THREADS=str(REPLICAS + 8))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    options = ["--device-ms-per-example", str(args.device_ms_per_example)]
+    options += ["--repeats", str(args.repeats)]
+    times = run_rounds("benchmarks.evaluation", args.variants, args.rounds, options, env)
+    print_table(
+        times,
+        "tf_diffmap (split)",
+        f"{EXAMPLES} examples, batch {BATCH}, {REPLICAS} replicas; seconds per call "
+        f"(median of {args.rounds * args.repeats})",
     )
-    header = ["variant"] + [
-        f"{k.split('@')[0]}, device {float(k.split('@')[1]):g} ms/example" for k in keys
-    ]
-    print("| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for variant, row in times.items():
-        cells = [variant]
-        for key in keys:
-            own = _median(row[key])
-            if reference in times:
-                cells.append(f"{own:.3f} ({own / _median(times[reference][key]):.2f}x)")
-            else:
-                cells.append(f"{own:.3f}")
-        print("| " + " | ".join(cells) + " |")
     return 0
 
 

@@ -634,8 +634,8 @@ VALIDATION_CLIENT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_validation_figures_on_a_cluster_are_evaluates(tmp_path):
-    """`fit(validation_data=...)` evaluates the validation data on the chief,
-    as `evaluate` does, and every epoch trains on the training data."""
+    """`fit(validation_data=...)` evaluates the validation data as
+    `evaluate` does, and every epoch trains on the training data."""
     report = run_chief(VALIDATION_CLIENT, tmp_path)
     history = report["history"]
     assert len(history["val_loss"]) == 3

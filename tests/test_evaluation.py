@@ -326,3 +326,29 @@ def test_a_step_that_assigns_a_variable_runs_whole_with_a_warning():
         examples = run(tf.range(10, dtype=tf.float32))
     assert int(examples) == 10  # the whole batch, on one replica
     assert float(largest.numpy()) == 9.0
+
+
+def test_a_step_traced_with_its_writes_held_writes_nothing_and_returns_them():
+    """On a cluster a step that applies no update is traced with its writes
+    held (`ReplicaStep(defer_writes=True)`): what it would add to a variable,
+    or assign it, is an output, and the variable is left as it was."""
+    from tf_diffmap.engine.replica_step import ReplicaStep
+
+    strategy = tf_diffmap.Strategy()
+    with strategy.scope():
+        mean = keras.metrics.Mean()
+        peak = tf.Variable(0.0, trainable=False)
+
+    def step(x):
+        mean.update_state(x)
+        peak.assign(tf.reduce_max(x))
+        return mean.result()
+
+    x = tf.constant([1.0, 2.0, 3.0])
+    runtime = strategy.extended.runtime
+    held = ReplicaStep(runtime, strategy, step, (x,), {}, defer_writes=True)
+    assert set(held.concretes) == set(runtime.compute_devices)
+    _, _, values = held.concretes[runtime.compute_devices[0]](tf.constant(0), x)
+    written = sorted((plain, float(value)) for (_, plain), value in zip(held.deferred, values))
+    assert written == [(False, 3.0), (False, 6.0), (True, 3.0)]  # count, total; peak
+    assert float(mean.result()) == 0.0 and float(peak) == 0.0

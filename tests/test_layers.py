@@ -3,7 +3,7 @@
 From the top: the public API (the package's names, the callbacks, the
 TensorBoard plugin, the cluster launcher and connection), the adapter
 (`strategy`, `scope_watch`), the engine (`engine/`, with the cluster's
-fault handling and input that run inside it), the updates (`updates/`), the
+fault handling, input and evaluation that run inside it), the updates (`updates/`), the
 store (`store/`), and the foundations (`devices`, `_tf_internal`). A module
 may import its own layer and those below, and no module imports itself
 again through others (A imports B, and B, or a module B imports, imports
@@ -29,7 +29,13 @@ LAYERS = {
         "tf_diffmap.cluster",
     ],
     "adapter": ["tf_diffmap.strategy", "tf_diffmap.extended", "tf_diffmap.scope_watch"],
-    "engine": ["tf_diffmap.engine", "tf_diffmap.cluster.faults", "tf_diffmap.cluster.inputs"],
+    "engine": [
+        "tf_diffmap.engine",
+        "tf_diffmap.cluster.faults",
+        "tf_diffmap.cluster.inputs",
+        "tf_diffmap.cluster.inference",
+        "tf_diffmap.cluster.shard_run",
+    ],
     "updates": ["tf_diffmap.updates"],
     "store": ["tf_diffmap.store"],
     "foundations": ["tf_diffmap.devices", "tf_diffmap._tf_internal"],

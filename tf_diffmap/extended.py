@@ -85,7 +85,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
-        self._steps: dict[Any, ReplicaStep | StepFeed | SplitInference] = {}
+        self._steps: dict[Any, Any] = {}
         self._store_variable_ids: set[int] = set()
         self._made_here: weakref.WeakSet = weakref.WeakSet()
 
@@ -196,9 +196,10 @@ class AsyncExtended(_tf_internal.ExtendedBase):
                     "its own. Use a larger batch size instead."
                 )
 
-    def _step_for(self, fn, args, kwargs) -> ReplicaStep | StepFeed | SplitInference:
+    def _step_for(self, fn, args, kwargs):
         """The traced replica step for this call (and signature), or what runs
-        it: its feed (a training step), or its split over the replicas."""
+        it: its feed (a training step), or its split over the replicas (on
+        one host, or on a cluster's workers present)."""
         target = inspect.unwrap(fn)
         self._check_optimizer(target)
         self.runtime.watch_optimizer(getattr(getattr(target, "__self__", None), "optimizer", None))
@@ -208,10 +209,24 @@ class AsyncExtended(_tf_internal.ExtendedBase):
             step = ReplicaStep(self.runtime, self._container_strategy(), fn, args, kwargs)
             if step.trains:
                 step = StepFeed(step, self.runtime)
+            elif self.runtime.worker_hosts is not None:
+                step = self._cluster_inference(step, fn, args, kwargs)
             elif splits_over_replicas(step, self.runtime):
                 step = SplitInference(step, self.runtime)
             self._steps[key] = step
         return step
+
+    def _cluster_inference(self, step: ReplicaStep, fn, args, kwargs):
+        """A step that applies no update on a cluster: traced again, with its
+        writes held, for every compute device, and its shards run on the
+        workers present (`tf_diffmap.cluster.inference`)."""
+        from tf_diffmap.cluster.inference import ClusterInference
+
+        splits = splits_over_replicas(step, self.runtime)
+        held = ReplicaStep(
+            self.runtime, self._container_strategy(), fn, args, kwargs, defer_writes=True
+        )
+        return ClusterInference(held, self.runtime, splits)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         # Each replica applies its own gradient: there is nothing to reduce.
@@ -288,6 +303,12 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         if runtime.lost_tasks():
             # Its functions are removed from every task once Keras drops it.
             runtime.keep_functions(_tf_internal.dataset_functions(made))
+        elif runtime.worker_hosts is not None:
+            # Held until the next evaluation's: dropped at the end of this
+            # one, they would be removed from every task, and a worker hung
+            # meanwhile, not yet known to be, would hold the removal (and
+            # Python's GIL) for as long as it does not answer.
+            runtime.inference_functions = _tf_internal.dataset_functions(made)
         return self._distributed(made)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):

@@ -10,6 +10,7 @@ and records its reads on the gradient tape itself (`record_read`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -92,7 +93,8 @@ class StoreVariable(InStore, ResourceVariable):
     applied as one atomic `assign_add(d)`, so that counters and metric
     totals lose no increment when replicas write them at the same time. Any
     other `assign` there is noted in `_ReplicaTracing.plain_writes`: replicas
-    that made it at the same time would race.
+    that made it at the same time would race. Where the step's writes are
+    deferred (`deferring_writes`), every write is held as an output instead.
     """
 
     @classmethod
@@ -154,20 +156,63 @@ class StoreVariable(InStore, ResourceVariable):
         if _replica_tracing.active:
             delta = self._atomic_delta(value)
             if delta is not None:
-                return super().assign_add(
+                return self.assign_add(
                     delta, use_locking=use_locking, name=name, read_value=read_value
                 )
             if _replica_tracing.plain_writes is not None:
                 _replica_tracing.plain_writes.append(self.name)
+            if _replica_tracing.deferred is not None:
+                return _replica_tracing.deferred.write(self, value, plain=True)
         return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         self._before_eager_access()
+        if _replica_tracing.active and _replica_tracing.deferred is not None:
+            return _replica_tracing.deferred.write(self, delta, plain=False)
         return super().assign_add(delta, use_locking, name, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         self._before_eager_access()
+        if _replica_tracing.active and _replica_tracing.deferred is not None:
+            return _replica_tracing.deferred.write(self, -tf.convert_to_tensor(delta), plain=False)
         return super().assign_sub(delta, use_locking, name, read_value)
+
+
+class DeferredWrites:
+    """A replica step's writes to store variables, held as outputs of the
+    step rather than applied (a step that applies no update, on a cluster).
+
+    Its caller applies them once the step's call has returned, so that a
+    call cut off by a lost worker has written nothing, and running its
+    shard again elsewhere counts it once. Per variable, in the order first
+    written: an addition (`assign_add` of the held value), or, once the step
+    assigned it a value that is not an addition to its own, an assignment
+    of that value plus any addition after it. A read inside the step does
+    not see what the step wrote.
+
+    Attributes:
+        variables: the variables written, in order.
+        plain: per variable, whether its write is an assignment.
+        values: per variable, the value to add or assign.
+    """
+
+    def __init__(self):
+        self.variables: list[StoreVariable] = []
+        self.plain: list[bool] = []
+        self.values: list[tf.Tensor] = []
+
+    def write(self, variable: StoreVariable, value, plain: bool) -> tf.Tensor:
+        """Holds a write: an assignment (`plain`) or an addition of `value`."""
+        value = tf.cast(tf.convert_to_tensor(value), variable.dtype)
+        for k, held in enumerate(self.variables):
+            if held is variable:
+                self.plain[k] = self.plain[k] or plain
+                self.values[k] = value if plain else self.values[k] + value
+                return self.values[k]
+        self.variables.append(variable)
+        self.plain.append(plain)
+        self.values.append(value)
+        return value
 
 
 class _ReplicaTracing(threading.local):
@@ -183,6 +228,8 @@ class _ReplicaTracing(threading.local):
 
     active = False
     plain_writes: list[str] | None = None
+    # Where a step's writes are held rather than applied (`deferring_writes`).
+    deferred: DeferredWrites | None = None
     step_graph = None
     # Whether reads of large variables get stand-ins (until the claim).
     reads_as_rows = False
@@ -239,6 +286,17 @@ ROWS_READ_BYTES = 256 << 10
 def replica_tracing() -> _ReplicaTracing:
     """This thread's replica-step tracing state (set by the strategy)."""
     return _replica_tracing
+
+
+@contextlib.contextmanager
+def deferring_writes():
+    """Within: the store variables' writes of the replica step being traced
+    are held (`DeferredWrites`, which it yields), not applied."""
+    previous, _replica_tracing.deferred = _replica_tracing.deferred, DeferredWrites()
+    try:
+        yield _replica_tracing.deferred
+    finally:
+        _replica_tracing.deferred = previous
 
 
 # -- what a variable split by rows uses (`tf_diffmap.store.partitioned`) -----------

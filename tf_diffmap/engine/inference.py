@@ -1,7 +1,8 @@
 """A step that applies no update, split over every replica (evaluate, predict).
 
 Keras' `evaluate`, `predict` and the validation inside `fit` call
-`strategy.run` with a step that claims no version. On one host that step
+`strategy.run` with a step that claims no version (on a cluster:
+`tf_diffmap.cluster.inference`). On one host that step
 runs as `MirroredStrategy` runs it: after a drain (the step must see a
 settled model), the batch is cut into one shard per replica, as a training
 batch is (`shards.split_in_graph`), and every replica runs its shard at the
@@ -44,12 +45,13 @@ __all__ = ["SplitInference", "splits_over_replicas"]
 def splits_over_replicas(step: ReplicaStep, runtime: Runtime) -> bool:
     """Whether a step that applies no update runs split over the replicas.
 
-    It does on one host with more than one replica, unless the step writes
-    a variable other than by adding to it: replicas writing it at the same
-    time would race, so the step runs whole on one device, with a warning
-    that names the variables.
+    It does with more than one replica (on one host, or on a cluster:
+    `tf_diffmap.cluster.inference`), unless the step writes a variable other
+    than by adding to it: replicas writing it at the same time would race,
+    so the step runs whole on one replica, with a warning that names the
+    variables.
     """
-    if runtime.worker_hosts is not None or len(runtime.replica_devices) < 2:
+    if len(runtime.replica_devices) < 2:
         return False
     if step.plain_writes:
         names = ", ".join(sorted(set(step.plain_writes))[:5])
@@ -59,7 +61,7 @@ def splits_over_replicas(step: ReplicaStep, runtime: Runtime) -> bool:
             f"assigns {names} a value that is not an addition to its own "
             "value (Keras metrics write `v.assign(v + d)`, which replicas "
             "apply atomically). Replicas doing so at the same time would race, "
-            "so this step runs each batch whole on the first replica device. "
+            "so this step runs each batch whole on one replica. "
             "Write the variable as `v.assign_add(d)` to have it split.",
             UserWarning,
             stacklevel=_tf_internal.user_stacklevel(),

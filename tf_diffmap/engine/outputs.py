@@ -28,10 +28,13 @@ examples together (MEAN is then the batch's mean), and `gather` and
 `experimental_local_results` give every replica's value, in replica order
 (concatenated, the batch's order).
 
+On a cluster a step that applies no update is split the same way, its
+shards on the workers present (`tf_diffmap.cluster.inference`), and its
+values reduce as above.
+
 A step that runs the whole batch at once (`run_eagerly`, an eager
-`strategy.run`, one that applies no update on a cluster) returns the whole
-batch's outputs, which stand for every replica: reducing them leaves them
-as they are.
+`strategy.run`) returns the whole batch's outputs, which stand for every
+replica: reducing them leaves them as they are.
 
 The mark is an attribute of the tensor that `strategy.run` returns in the
 caller's graph: reduce in the same `tf.function` as the `run`, as the

@@ -9,12 +9,14 @@ outputs with the replica's count of claims. Tracing runs in a helper thread
 gradient tape. Whether the step trains (claims a version) decides how it is
 run: a training step is fed to the replicas' loops (`feed.StepFeed`); any
 other runs synchronously, after a drain: on one host split over every
-replica (`inference.SplitInference`), on a cluster whole on the first
-replica's device (`ReplicaStep.call_in_graph`).
+replica (`inference.SplitInference`), on a cluster split over the replicas
+of the workers present, traced again with its writes held as outputs
+(`defer_writes`, `tf_diffmap.cluster.inference`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +137,11 @@ class ReplicaStep:
         runtime: the strategy's runtime (store, devices).
         strategy: the strategy whose replica context the step runs in.
         fn, args, kwargs: what `strategy.run` was given.
+        defer_writes: trace a step that applies no update with its writes
+            to store variables held as outputs rather than applied
+            (`_tf_internal.deferring_writes`): its concrete functions then
+            return `(outputs, claims, values)`, a value per variable of
+            `deferred`.
 
     Attributes:
         specs: one shard's tensor specs, in the order `fn`'s tensors come.
@@ -143,10 +150,14 @@ class ReplicaStep:
             not an addition to their own (replicas doing so at once race).
         concretes: per compute device, the concrete function
             `(replica_id, *shard) -> (outputs, claims)`.
+        deferred: with `defer_writes`, the variables written and, for
+            each, whether its write is an assignment (else an addition).
     """
 
-    def __init__(self, runtime: Runtime, strategy, fn, args, kwargs):
+    def __init__(self, runtime: Runtime, strategy, fn, args, kwargs, defer_writes: bool = False):
         self.runtime = runtime
+        self.defer_writes = defer_writes
+        self.deferred: list[tuple[Any, bool]] | None = None
         self.structure = (args, kwargs)
         leaves = tf.nest.flatten(self.structure)
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if is_tensor(leaf)]
@@ -218,7 +229,7 @@ class ReplicaStep:
                     )
                     state.splits_penalties = split
                     states.append(state)
-                    with tracing_step(state):
+                    with tracing_step(state), self._held_writes() as writes:
                         reads = [state.read_version, *state.window_reads.values()]
                         with tf.control_dependencies(reads):
                             outputs = fn(*args, **kwargs)
@@ -232,7 +243,9 @@ class ReplicaStep:
                     _tf_internal.pack_crossings(graph)
                 trains.append(state.claimed)
                 pushed.append(state.pushed)
-                return outputs, claims
+                if writes is None:
+                    return outputs, claims
+                return outputs, claims, self._note_deferred(writes)
 
             return step
 
@@ -243,7 +256,7 @@ class ReplicaStep:
                     self.concretes[device] = function.get_concrete_function(
                         tf.TensorSpec([], tf.int32), *self.specs
                     )
-                    if not trains[0] and runtime.worker_hosts is not None:
+                    if not trains[0] and runtime.worker_hosts is not None and not self.defer_writes:
                         # On a cluster a step that applies no update runs
                         # whole on the first device; on one host it is split
                         # over every replica's device.
@@ -280,6 +293,29 @@ class ReplicaStep:
         if self.trains and runtime.aggregates and not pushed[0]:
             warn_if_not_aggregated(step_name)
 
+    @contextlib.contextmanager
+    def _held_writes(self):
+        """Within: the step's writes are held (`defer_writes`), or applied."""
+        if not self.defer_writes:
+            yield None
+            return
+        with _tf_internal.deferring_writes() as writes:
+            yield writes
+
+    def _note_deferred(self, writes) -> list[tf.Tensor]:
+        """The held writes' values; the same variables on every device."""
+        written = list(zip(writes.variables, writes.plain))
+        if self.deferred is None:
+            self.deferred = written
+        elif [(id(v), p) for v, p in written] != [(id(v), p) for v, p in self.deferred]:
+            raise RuntimeError(
+                "A step that applies no update wrote different variables when "
+                "traced for two devices "
+                f"({[v.name for v, _ in self.deferred]} and {[v.name for v, _ in written]}); "
+                "tf_diffmap.Strategy needs the same writes on every replica."
+            )
+        return list(writes.values)
+
     # -- structure -----------------------------------------------------------
 
     def pack(self, tensors):
@@ -296,7 +332,7 @@ class ReplicaStep:
 
     def output_specs(self):
         """The outputs' structure, its leaves, and the positions of tensors."""
-        outputs, _ = self.concrete.structured_outputs
+        outputs = self.concrete.structured_outputs[0]
         leaves = tf.nest.flatten(outputs)
         positions = [i for i, o in enumerate(leaves) if isinstance(o, tf.Tensor)]
         return outputs, leaves, positions

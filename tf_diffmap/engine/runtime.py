@@ -155,6 +155,9 @@ class Runtime(ReplicaMembers):
         # remote task, the lost one included (a "Failed to remove function
         # remotely" error of the runtime).
         self._kept_functions: list = []
+        # On a cluster, the functions of the latest evaluation's dataset
+        # (`AsyncExtended._experimental_distribute_dataset`).
+        self.inference_functions: list = []
         with tf.init_scope(), tf.device(self.client_host):
             # Set while a replica's error waits to be raised: the loops drop
             # what they take, and the input pipelines end.
