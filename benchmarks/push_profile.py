@@ -14,17 +14,19 @@ process of its own (connecting makes a process a cluster's chief for good):
   cluster shape, run where tf-keras imports (`--tf-keras-path`: a folder
   that holds the `tf_keras` package, put on the child's path).
 
-A contender runs twice. In its first run, a `fit` of `steps` batches less
-a `fit` of `steps // 3` (both after a warm-up) gives the time of one
-global batch, free of what a `fit` costs once (its start, its last drain),
-and a third `fit` of `--profile-steps` batches is traced with TensorFlow's
-profiler on every task: the kernels each task ran per batch, and the
-timeline of `--figure`. In its second run (on a cluster), each task listens
-behind a `benchmarks.wire.WireTap` relay, which counts every gRPC call into
-it, by caller, task and method, with its messages, bytes and seconds, over
-the same two fits; the relays slow the calls down, so the time is the first
-run's. It prints two tables; `--out` keeps each contender's JSON and
-profiles.
+A contender runs twice, in the same way: a warm-up `fit`, then a `fit` of
+`steps // 3` batches and one of `steps`. Counts per global batch are the
+difference of those two fits over the batches between them, free of what a
+`fit` does once (its start, its last drain); the time per batch is the
+long fit's (the difference of two times is too noisy on a shared host). In
+the first run a third `fit` of `--profile-steps` batches is traced with
+TensorFlow's profiler on every task: the kernels each task ran per batch,
+and the timeline of `--figure` (the middle batch's span). In the second run
+(on a cluster) each task listens behind a `benchmarks.wire.WireTap` relay,
+which counts every gRPC call into it, by caller, task and method, with its
+messages, bytes and seconds; the relays slow the calls down, so the time
+and the profile are the first run's. It prints two tables; `--out` keeps
+each contender's JSON and profiles.
 """
 
 from __future__ import annotations
@@ -139,13 +141,20 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tap: bool) -> 
 
         fit(WARMUP_STEPS)
         short, long_ = max(1, steps // 3), steps
-        counted = {}
+        counted, pushes = {}, {}
         for n in (short, long_):
             if tap is not None:
                 tap.reset()
+            if not legacy:
+                strategy.reset_statistics()
             seconds = fit(n)
             counted[n] = (seconds, tap.report() if tap is not None else [])
-        step_ms = 1000 * (counted[long_][0] - counted[short][0]) / (long_ - short)
+            if not legacy:
+                figures = strategy.statistics().as_dict()
+                pushes[n] = (sum(figures["updates"]), sum(figures["dropped"]))
+        # The long fit's time, its start and last drain included: the
+        # difference of two fits' times is too noisy on a shared host.
+        step_ms = 1000 * counted[long_][0] / long_
         names = {pid: task for task, pid in pids.items()} | {os.getpid(): "chief"}
         calls = _per_step(counted[short][1], counted[long_][1], long_ - short, names)
         profile = None
@@ -169,6 +178,10 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tap: bool) -> 
         "steps": [short, long_],
         "step_ms": step_ms,
         "examples_per_second": 1000 * BATCH / step_ms,
+        # Gradients pushed per global batch (accepted, dropped as too stale).
+        "pushes": [(pushes[long_][i] - pushes[short][i]) / (long_ - short) for i in (0, 1)]
+        if pushes
+        else None,
         "calls": calls,
         "profile": profile,
     }
@@ -207,6 +220,10 @@ def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict
         "span_ms": step_ns / 1e6,
         "tasks": {
             task: traces.op_summary(task_events, first, last, steps)
+            for task, task_events in events.items()
+        },
+        "sends": {
+            task: traces.sends(task_events, first, last, steps)
             for task, task_events in events.items()
         },
         "timeline": {
@@ -278,6 +295,9 @@ def summary_rows(results: list[dict]) -> list[dict[str, str]]:
                 "contender": r["label"],
                 "ms/batch": f"{r['step_ms']:.1f}",
                 "examples/s": f"{r['examples_per_second']:,.0f}",
+                "pushes (dropped)": "–"
+                if not r.get("pushes")
+                else f"{r['pushes'][0]:.1f} ({r['pushes'][1]:.1f})",
                 "remote calls": f"{sum(c['calls'] for c in calls):.1f}",
                 "by method": ", ".join(
                     f"{m} {n:.1f}" for m, n in sorted(methods.items(), key=lambda kv: -kv[1])
@@ -312,6 +332,27 @@ def detail_rows(results: list[dict]) -> list[dict[str, str]]:
                     "ms/call": f"{1000 * c['call_seconds'] / c['calls']:.2f}"
                     if c["calls"] > 0
                     else "–",
+                }
+            )
+    return rows
+
+
+def send_rows(results: list[dict], shown: int = 8) -> list[dict[str, str]]:
+    """One row per contender and cluster task: the values it sent to other
+    tasks per global batch (its `_Send` kernels), the most frequent named."""
+    rows = []
+    for r in results:
+        for task, values in r["profile"].get("sends", {}).items():
+            if r["contender"] == "one_host" or not values:
+                continue
+            rows.append(
+                {
+                    "contender": r["label"],
+                    "task": task,
+                    "values sent": f"{sum(values.values()):.1f}",
+                    "most sent": ", ".join(
+                        f"{name} {n:.1f}" for name, n in list(values.items())[:shown]
+                    ),
                 }
             )
     return rows
@@ -354,10 +395,15 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or scratch)
         out.mkdir(parents=True, exist_ok=True)
         results = [_run(name, args, out) for name in names]
-    print("Per global batch of 128 (the difference of two fits, per batch):\n")
+    print(
+        f"Per global batch of {BATCH} (calls, bytes and pushes: the difference of two "
+        f"fits; ms/batch: the fit of {args.steps} batches):\n"
+    )
     print(markdown(summary_rows(results)))
     print("\nRemote calls per global batch, by caller, task and method:\n")
     print(markdown(detail_rows(results)))
+    print("\nValues each task sent to another one per global batch (its _Send kernels):\n")
+    print(markdown(send_rows(results)))
     if args.figure:
         panels = [
             {

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["draw_timeline", "op_summary", "read_events", "trace_tasks"]
+__all__ = ["draw_timeline", "op_summary", "read_events", "sends", "trace_tasks"]
 
 # A kernel's event: `node name:OpType` (a node's name holds no colon); the
 # gRPC services' own events (`EagerService:Enqueue`) are not kernels.
@@ -119,6 +119,26 @@ def op_summary(events, start_ns: int, end_ns: int, steps: int) -> dict[str, Any]
             for k, (n, ms) in sorted(by_type.items(), key=lambda kv: -kv[1][1])
         },
     }
+
+
+def sends(events, start_ns: int, end_ns: int, steps: int) -> dict[str, float]:
+    """What a task sent to another one between two times, per step: its
+    `_Send` kernels by node name, shortened to the scopes that tell them
+    apart (the loop's and the step function's own scopes left out, and
+    the runtime's number of the edge), most first."""
+    counts: dict[str, int] = defaultdict(int)
+    for event in events:
+        if op_type(event.name) != "_Send" or not start_ns <= event.start_ns <= end_ns:
+            continue
+        node = event.name.rpartition(":")[0]
+        node = _SEND_PREFIX.sub("", node)
+        counts[_EDGE_NUMBER.sub("", node) or node] += 1
+    return {k: n / steps for k, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+# The scopes of the replica loop and of the step function it calls.
+_SEND_PREFIX = re.compile(r"^.*StatefulPartitionedCall/")
+_EDGE_NUMBER = re.compile(r"/_\d+$")
 
 
 def op_spans(events, start_ns: int, end_ns: int) -> list[list]:

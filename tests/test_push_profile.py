@@ -163,6 +163,27 @@ def test_a_profile_is_read_back_with_its_kernels(tmp_path):
     assert sum(v["ops"] for k, v in summary["by_type"].items() if "MatMul" in k) >= 1
 
 
+def test_sends_are_counted_per_step_by_their_short_names():
+    from tf_diffmap._tf_internal import ProfileEvent
+
+    loop = "while/body/_1/while/cond/StatefulPartitionedCall/"
+    events = [
+        ProfileEvent(
+            "/host:CPU", "tf_Compute", f"{loop}tf_diffmap_packed/concat/_4:_Send", 10, 1.0
+        ),
+        ProfileEvent(
+            "/host:CPU", "tf_Compute", f"{loop}tf_diffmap_packed/concat/_9:_Send", 20, 1.0
+        ),
+        ProfileEvent("/host:CPU", "tf_Compute", f"{loop}LessEqual/_7:_Send", 30, 1.0),
+        ProfileEvent("/host:CPU", "tf_Compute", f"{loop}dense/MatMul:MatMul", 30, 1.0),
+        ProfileEvent("/host:CPU", "tf_Compute", f"{loop}Late/_8:_Send", 99, 1.0),
+    ]
+    assert traces.sends(events, 0, 50, steps=2) == {
+        "tf_diffmap_packed/concat": 1.0,
+        "LessEqual": 0.5,
+    }
+
+
 def test_the_tables_print_a_row_per_contender_and_per_call():
     calls = [
         {
@@ -188,11 +209,13 @@ def test_the_tables_print_a_row_per_contender_and_per_call():
         "label": "a contender",
         "step_ms": 10.0,
         "examples_per_second": 12800.0,
+        "pushes": [2.0, 0.5],
         "calls": calls,
         "profile": {
+            "sends": {"ps 0": {"Reshape_1": 3.0, "LessEqual": 1.0}},
             "tasks": {
                 "ps 0": {"ops": 40.0, "op_ms": 1.5, "by_type": {"MatMul": {"ops": 2.0, "ms": 1.0}}}
-            }
+            },
         },
     }
     (summary,) = push_profile.summary_rows([result])
@@ -201,5 +224,7 @@ def test_the_tables_print_a_row_per_contender_and_per_call():
     assert summary["ps ops"] == "40" and summary["ps top ops"] == "MatMul 2"
     (detail,) = push_profile.detail_rows([result])
     assert detail["caller -> task"] == "worker 0 -> ps 0" and detail["ms/call"] == "2.00"
+    (sent,) = push_profile.send_rows([{**result, "contender": "cluster"}])
+    assert sent["values sent"] == "4.0" and sent["most sent"] == "Reshape_1 3.0, LessEqual 1.0"
     table = push_profile.markdown([summary])
-    assert table.splitlines()[2].startswith("| a contender | 10.0 | 12,800 | 6.0 |")
+    assert table.splitlines()[2].startswith("| a contender | 10.0 | 12,800 | 2.0 (0.5) | 6.0 |")
