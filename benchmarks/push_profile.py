@@ -21,7 +21,7 @@ difference of those two fits over the batches between them, free of what a
 long fit's (the difference of two times is too noisy on a shared host). In
 the first run a third `fit` of `--profile-steps` batches is traced with
 TensorFlow's profiler on every task: the kernels each task ran per batch,
-and the timeline of `--figure` (the middle batch's span). In the second run
+and the timeline of `--figure` (a typical batch's span). In the second run
 (on a cluster) each task listens behind a `benchmarks.wire.WireTap` relay,
 which counts every gRPC call into it, by caller, task and method, with its
 messages, bytes and seconds; the relays slow the calls down, so the time
@@ -210,11 +210,19 @@ def _per_step(short: list[dict], long_: list[dict], steps: int, names) -> list[d
 
 def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict[str, Any]:
     """Kernels per step on each task over the traced `fit` (`span`: its
-    start and end), and one step's span of them for the timeline: the
-    middle one, at the mean step time."""
+    start and end), and one step's span of them for the timeline: of the
+    `steps` equal spans of the fit, the one in which the ps (the chief on
+    one host) ran the median count of kernels, a typical step rather than
+    the fit's start or a pause."""
     first, last = span
     step_ns = (last - first) / steps
-    middle = first + (steps // 2) * step_ns
+    reference = events.get("ps 0", events.get("chief", []))
+    counts = [0] * steps
+    for event in reference:
+        if traces.op_type(event.name) and first <= event.start_ns < last:
+            counts[min(steps - 1, int((event.start_ns - first) // step_ns))] += 1
+    typical = sorted(range(steps), key=lambda i: counts[i])[steps // 2]
+    middle = first + typical * step_ns
     return {
         "seconds": (last - first) / 1e9,
         "span_ms": step_ns / 1e6,
