@@ -210,22 +210,30 @@ def _per_step(short: list[dict], long_: list[dict], steps: int, names) -> list[d
 
 def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict[str, Any]:
     """Kernels per step on each task over the traced `fit` (`span`: its
-    start and end), and one step's span of them for the timeline: of the
-    `steps` equal spans of the fit, the one in which the ps (the chief on
-    one host) ran the median count of kernels, a typical step rather than
-    the fit's start or a pause."""
+    start and end), and one step's span of them for the timeline.
+
+    The timeline's span is a typical one: the time from the ps's first
+    kernel of the fit to its last (the chief's, on one host) cut into
+    `steps` equal spans, the one in which it ran the median count of
+    kernels. (The fit's own time holds more than its batches: its start,
+    and on a cluster a replica loop that runs several batches at once.)
+    """
     first, last = span
-    step_ns = (last - first) / steps
     reference = events.get("ps 0", events.get("chief", []))
+    starts = sorted(
+        e.start_ns for e in reference if traces.op_type(e.name) and first <= e.start_ns <= last
+    )
+    if not starts:
+        raise RuntimeError("The profile holds no kernel of the ps (or of this host) in the fit.")
+    width = max(1.0, (starts[-1] - starts[0]) / steps)
     counts = [0] * steps
-    for event in reference:
-        if traces.op_type(event.name) and first <= event.start_ns < last:
-            counts[min(steps - 1, int((event.start_ns - first) // step_ns))] += 1
-    typical = sorted(range(steps), key=lambda i: counts[i])[steps // 2]
-    middle = first + typical * step_ns
+    for start in starts:
+        counts[min(steps - 1, int((start - starts[0]) // width))] += 1
+    typical = sorted(range(steps), key=counts.__getitem__)[steps // 2]
+    window = starts[0] + typical * width
     return {
         "seconds": (last - first) / 1e9,
-        "span_ms": step_ns / 1e6,
+        "span_ms": width / 1e6,
         "tasks": {
             task: traces.op_summary(task_events, first, last, steps)
             for task, task_events in events.items()
@@ -235,7 +243,7 @@ def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict
             for task, task_events in events.items()
         },
         "timeline": {
-            task: traces.op_spans(task_events, int(middle), int(middle + step_ns))
+            task: traces.op_spans(task_events, int(window), int(window + width))
             for task, task_events in events.items()
         },
     }
@@ -415,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.figure:
         panels = [
             {
-                "title": f"{r['label']}: one step's span ({r['profile']['span_ms']:.1f} ms)",
+                "title": f"{r['label']}: a typical batch's span ({r['profile']['span_ms']:.1f} ms, "
+                f"1/{args.profile_steps} of the ps's first to last kernel of a traced fit)",
                 "span_ms": r["profile"]["span_ms"],
                 "tasks": r["profile"]["timeline"],
             }
