@@ -215,8 +215,9 @@ def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict
     The timeline's span is a typical one: the time from the ps's first
     kernel of the fit to its last (the chief's, on one host) cut into
     `steps` equal spans, the one in which it ran the median count of
-    kernels. (The fit's own time holds more than its batches: its start,
-    and on a cluster a replica loop that runs several batches at once.)
+    kernels of those in which it ran any. (The fit's own time holds more
+    than its batches: its start, and on a cluster a replica loop that runs
+    several batches at once.)
     """
     first, last = span
     reference = events.get("ps 0", events.get("chief", []))
@@ -229,7 +230,8 @@ def _profile(events: dict[str, list], steps: int, span: tuple[int, int]) -> dict
     counts = [0] * steps
     for start in starts:
         counts[min(steps - 1, int((start - starts[0]) // width))] += 1
-    typical = sorted(range(steps), key=counts.__getitem__)[steps // 2]
+    busy = sorted((i for i in range(steps) if counts[i]), key=counts.__getitem__)
+    typical = busy[len(busy) // 2]
     window = starts[0] + typical * width
     return {
         "seconds": (last - first) / 1e9,
@@ -274,6 +276,20 @@ def _run_child(name: str, args, out: Path, tap: bool) -> dict[str, Any]:
     return json.loads((out / f"{name}{'_tap' if tap else ''}.json").read_text())
 
 
+def _saved(name: str, folder: Path) -> dict[str, Any]:
+    """A contender's result as `_run` makes it, from a run saved with `--out`."""
+    path = folder / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: was {name} run with --out {folder}?")
+    result = json.loads(path.read_text())
+    tapped = folder / f"{name}_tap.json"
+    if tapped.exists():
+        counted = json.loads(tapped.read_text())
+        result["calls"] = counted["calls"]
+        result["tapped_step_ms"] = counted["step_ms"]
+    return result
+
+
 def _run(name: str, args, out: Path) -> dict[str, Any]:
     """A contender's time and profile, and (on a cluster) its calls, counted
     in a second run: the relays slow every call down."""
@@ -296,16 +312,34 @@ def _remote_calls(result: dict) -> list[dict]:
     return [c for c in result["calls"] if c["method"] not in ("(bytes)", "Profile")]
 
 
+def _flows(calls: list[dict]) -> dict[str, float]:
+    """KB of gRPC messages between the ps and the workers, each way, and
+    between the chief and the others. RecvTensor is a pull: a tensor goes
+    from the task called to its caller, in the response."""
+    flows = {"ps -> workers": 0.0, "workers -> ps": 0.0, "chief <-> others": 0.0}
+    for c in calls:
+        caller, task = c["caller"].split(" ")[0], c["task"].split(" ")[0]
+        if "chief" in (caller, task):
+            flows["chief <-> others"] += c["request_bytes"] + c["response_bytes"]
+        elif (caller, task) == ("worker", "ps"):
+            flows["ps -> workers"] += c["response_bytes"]
+            flows["workers -> ps"] += c["request_bytes"]
+        elif (caller, task) == ("ps", "worker"):
+            flows["workers -> ps"] += c["response_bytes"]
+            flows["ps -> workers"] += c["request_bytes"]
+    return {k: v / 1024 for k, v in flows.items()}
+
+
 def summary_rows(results: list[dict]) -> list[dict[str, str]]:
     """One row per contender: the figures of one global batch."""
     rows = []
     for r in results:
         calls = _remote_calls(r)
-        wires = [c for c in r["calls"] if c["method"] == "(bytes)"]
         ps = r["profile"]["tasks"].get("ps 0")
         methods = defaultdict(float)
         for c in calls:
             methods[c["method"]] += c["calls"]
+        flows = _flows(calls)
         rows.append(
             {
                 "contender": r["label"],
@@ -319,11 +353,11 @@ def summary_rows(results: list[dict]) -> list[dict[str, str]]:
                     f"{m} {n:.1f}" for m, n in sorted(methods.items(), key=lambda kv: -kv[1])
                 )
                 or "–",
-                "KB to tasks": f"{sum(w['bytes_sent'] for w in wires) / 1024:.1f}",
-                "KB back": f"{sum(w['bytes_received'] for w in wires) / 1024:.1f}",
-                "ps ops": "–" if ps is None else f"{ps['ops']:.0f}",
-                "ps op ms": "–" if ps is None else f"{ps['op_ms']:.2f}",
-                "ps top ops": "–"
+                "responses < 1 KB": f"{sum(c['small_responses'] for c in calls):.1f}",
+                **{f"KB {k}": f"{v:.1f}" for k, v in flows.items()},
+                "ps kernels": "–" if ps is None else f"{ps['ops']:.0f}",
+                "ps kernel ms": "–" if ps is None else f"{ps['op_ms']:.2f}",
+                "ps top kernels": "–"
                 if ps is None
                 else ", ".join(f"{k} {v['ops']:.0f}" for k, v in list(ps["by_type"].items())[:4]),
             }
@@ -391,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf-keras-path", default=None)
     parser.add_argument("--figure", default=None, help="the timeline PNG to write")
     parser.add_argument("--out", default=None, help="keep each contender's JSON and profile")
+    parser.add_argument(
+        "--from",
+        dest="saved",
+        default=None,
+        help="print the tables (and draw --figure) of a run saved with --out, without running",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tap", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -407,10 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args.child, args.steps, args.profile_steps, out, args.tap)
         (out / f"{args.child}{'_tap' if args.tap else ''}.json").write_text(json.dumps(result))
         return 0
-    with tempfile.TemporaryDirectory(prefix="push_profile_") as scratch:
-        out = Path(args.out or scratch)
-        out.mkdir(parents=True, exist_ok=True)
-        results = [_run(name, args, out) for name in names]
+    if args.saved:
+        results = [_saved(name, Path(args.saved)) for name in names]
+    else:
+        with tempfile.TemporaryDirectory(prefix="push_profile_") as scratch:
+            out = Path(args.out or scratch)
+            out.mkdir(parents=True, exist_ok=True)
+            results = [_run(name, args, out) for name in names]
     print(
         f"Per global batch of {BATCH} (calls, bytes and pushes: the difference of two "
         f"fits; ms/batch: the fit of {args.steps} batches):\n"

@@ -8,6 +8,7 @@ sockets of this process. `benchmarks.traces` is checked on event names as
 TensorFlow's profiler writes them and on a profile it writes here.
 """
 
+import json
 import os
 import socket
 import threading
@@ -220,11 +221,32 @@ def test_the_tables_print_a_row_per_contender_and_per_call():
     }
     (summary,) = push_profile.summary_rows([result])
     assert summary["remote calls"] == "6.0" and summary["by method"] == "RecvTensor 6.0"
-    assert (summary["KB to tasks"], summary["KB back"]) == ("2.0", "4.0")
-    assert summary["ps ops"] == "40" and summary["ps top ops"] == "MatMul 2"
+    # RecvTensor is a pull: worker 0's calls bring the ps's tensors back.
+    assert (summary["KB ps -> workers"], summary["KB workers -> ps"]) == ("2.0", "1.0")
+    assert summary["responses < 1 KB"] == "4.0"
+    assert summary["ps kernels"] == "40" and summary["ps top kernels"] == "MatMul 2"
     (detail,) = push_profile.detail_rows([result])
     assert detail["caller -> task"] == "worker 0 -> ps 0" and detail["ms/call"] == "2.00"
     (sent,) = push_profile.send_rows([{**result, "contender": "cluster"}])
     assert sent["values sent"] == "4.0" and sent["most sent"] == "Reshape_1 3.0, LessEqual 1.0"
     table = push_profile.markdown([summary])
     assert table.splitlines()[2].startswith("| a contender | 10.0 | 12,800 | 2.0 (0.5) | 6.0 |")
+
+
+def test_a_saved_run_is_printed_again_and_a_missing_one_is_named(tmp_path):
+    result = {
+        "contender": "parameter_server",
+        "label": "ParameterServerStrategy (tf-keras)",
+        "step_ms": 20.0,
+        "examples_per_second": 6400.0,
+        "pushes": None,
+        "calls": [],
+        "profile": {"tasks": {}, "sends": {}, "timeline": {}, "span_ms": 1.0},
+    }
+    (tmp_path / "parameter_server.json").write_text(json.dumps(result))
+    tapped = dict(result, step_ms=30.0, calls=[{"caller": "chief", "task": "ps 0"}])
+    (tmp_path / "parameter_server_tap.json").write_text(json.dumps(tapped))
+    saved = push_profile._saved("parameter_server", tmp_path)
+    assert saved["calls"] == tapped["calls"] and saved["tapped_step_ms"] == 30.0
+    with pytest.raises(FileNotFoundError, match="cluster.json is missing"):
+        push_profile._saved("cluster", tmp_path)
