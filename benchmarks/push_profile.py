@@ -99,9 +99,9 @@ def _cluster(name: str, ports: list[int] | None):
     return servers, tap, strategy, pids, remote
 
 
-def measure(name: str, steps: int, profile_steps: int, out: Path, tap: bool) -> dict[str, Any]:
-    """One contender's figures (run in a process of its own): with `tap`,
-    the calls through the relays; without, the time and the profile."""
+def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) -> dict[str, Any]:
+    """One contender's figures (run in a process of its own): `tapped`,
+    the calls through the relays; else the time and the profile."""
     if name not in CONTENDERS:
         raise ValueError(f"Unknown contender {name!r}; expected one of {list(CONTENDERS)}.")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -115,14 +115,17 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tap: bool) -> 
         devices = tf_diffmap.split_devices(2, "CPU")
     import tensorflow as tf
 
-    keras = tf.keras if legacy else __import__("keras")
+    if legacy:
+        keras = tf.keras
+    else:
+        import keras
     if name == "one_host":
         strategy = tf_diffmap.Strategy(devices=devices)
         pids, remote, tap = {}, {}, None
     else:
         from tf_diffmap.cluster.local import free_ports
 
-        ports = free_ports(len(TASKS)) if tap else None
+        ports = free_ports(len(TASKS)) if tapped else None
         servers, tap, strategy, pids, remote = _cluster(name, ports)
     try:
         x, y = workloads.synthetic_data(MODEL, BATCH * 64)
@@ -444,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Unknown contenders {unknown}; expected some of {list(CONTENDERS)}.")
     if args.child:
         out = Path(args.out)
-        result = measure(args.child, args.steps, args.profile_steps, out, args.tap)
+        result = measure(args.child, args.steps, args.profile_steps, out, tapped=args.tap)
         (out / f"{args.child}{'_tap' if args.tap else ''}.json").write_text(json.dumps(result))
         return 0
     if args.saved:

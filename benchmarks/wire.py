@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WireTap", "GrpcReader"]
+__all__ = ["FIELDS", "GrpcReader", "WireTap"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -257,11 +257,7 @@ class _Relay:
 
     def _add(self, key: tuple, field: str, amount: int) -> None:
         with self._lock:
-            entry = self._counts.setdefault(
-                key,
-                dict.fromkeys(FIELDS, 0),
-            )
-            entry[field] += amount
+            self._counts.setdefault(key, dict.fromkeys(FIELDS, 0))[field] += amount
 
     def serve(self) -> None:
         for address, port, name in self._tasks:
@@ -292,15 +288,13 @@ class _Relay:
             client, (_, caller_port) = server.accept()
             self._relay(client, _process_of(caller_port), (host, port), name)
 
-    def _relay(self, client: socket.socket, caller: int | None, target_address, name: str):
+    def _relay(self, client: socket.socket, caller: int | None, target_address, name: str) -> None:
         """Relays one connection from process `caller` to task `name`."""
         target = socket.create_connection(target_address)
         # Without it, Nagle's algorithm and delayed acknowledgements hold
         # small messages back by tens of milliseconds.
         for end in (client, target):
             end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        requests = GrpcReader(True, None)
-        responses = GrpcReader(False, None)
         started: dict[int, float] = {}
 
         def key(stream: int) -> tuple:
@@ -323,7 +317,8 @@ class _Relay:
                 if size < SMALL_BYTES:
                     self._add(key(stream), "small_responses", 1)
 
-        requests._count, responses._count = count_request, count_response
+        requests = GrpcReader(True, count_request)
+        responses = GrpcReader(False, count_response)
         for source, sink, reader, field in (
             (client, target, requests, "bytes_sent"),
             (target, client, responses, "bytes_received"),
