@@ -21,6 +21,10 @@ reports medians. What each table shows is in `docs/benchmarks.md`. Modules:
 - `report`: medians, the targets, and the tables of `results.md`;
 - `plots`: the PNG figures;
 - `checkouts`: the replicas' loops of two checkouts of tf_diffmap, side by side.
+- `push_profile`: one global batch's remote calls, bytes and ps kernels on a
+  localhost cluster, beside ParameterServerStrategy's, with `wire` (a relay
+  per task that reads the gRPC calls passing it) and `traces` (TensorFlow's
+  profiler on every task, read back, and the timeline figure).
 - `examples`: keras-io and keras-rs examples run as written (plain Keras,
   MirroredStrategy, tf_diffmap), with `example_edits` (the listed edits of
   their source) and `example_data` (synthetic data in place of downloads).

@@ -81,6 +81,11 @@ class LocalServers:
     def pids(self) -> list[int]:
         return [p.pid for _, p, _ in self._processes]
 
+    @property
+    def task_pids(self) -> dict[str, int]:
+        """Each server's process id, by task name (`"worker 0"`, `"ps 0"`)."""
+        return {name: p.pid for name, p, _ in self._processes}
+
     def resolver(self):
         """The chief's cluster resolver (imports TensorFlow)."""
         from tf_diffmap.cluster.local import chief_resolver

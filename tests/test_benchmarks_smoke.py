@@ -786,3 +786,37 @@ def test_the_fault_table_puts_each_event_side_by_side_under_both_strategies():
         {k: v for k, v in rows.items() if k[0] == "tf_diffmap"}, ["kill_worker"], ["tf_diffmap"], 1
     )
     assert "ParameterServerStrategy (tf-keras) was not run: pass --tf-keras-python." in alone
+
+
+@pytest.mark.slow
+def test_the_push_profile_counts_the_calls_of_a_batch_and_draws_its_step(tmp_path):
+    """`benchmarks.push_profile` on one host and a localhost cluster, with
+    tiny settings: a row per contender, calls counted between the cluster's
+    tasks, kernels read from the ps's profile, and the timeline drawn."""
+    figure, out = tmp_path / "push.png", tmp_path / "out"
+    result = _benchmark(
+        "push_profile",
+        "--steps", "3",
+        "--profile-steps", "1",
+        "--contenders", "one_host,cluster",
+        "--figure", str(figure),
+        "--out", str(out),
+        timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| tf_diffmap")]
+    assert any(row.startswith("| tf_diffmap, one host") for row in rows)
+    assert any(row.startswith("| tf_diffmap, cluster default") for row in rows)
+    counted = json.loads((out / "cluster_tap.json").read_text())
+    methods = {c["method"] for c in counted["calls"]}
+    assert "RecvTensor" in methods and "?" not in methods
+    timed = json.loads((out / "cluster.json").read_text())
+    assert timed["profile"]["tasks"]["ps 0"]["ops"] > 0
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_push_profile_refuses_too_few_steps_and_unknown_contenders():
+    result = _benchmark("push_profile", "--steps", "2", timeout=60)
+    assert result.returncode == 2 and "--steps must be at least 3, received 2" in result.stderr
+    result = _benchmark("push_profile", "--contenders", "cluster,mirrored", timeout=60)
+    assert result.returncode == 2 and "Unknown contenders ['mirrored']" in result.stderr

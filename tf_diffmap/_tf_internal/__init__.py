@@ -24,6 +24,7 @@ Modules, by job:
 * `frames`: the stack walk that points a warning at the user's line.
 * `remote_functions`: remote requests (function registration and removal)
   that do not wait for a task that does not answer.
+* `profiles`: the events of a profile that TensorFlow's profiler wrote.
 * `keras_internals`: Keras optimizers' strategy, slots and updates, SGD's
   momentum per update, an optimizer's `apply` while a step is traced,
   whether `fit` or `evaluate`/`predict` asks, and a check at the start of
@@ -77,6 +78,7 @@ from tf_diffmap._tf_internal.keras_internals import (
     optimizer_trainable_variables,
     watch_fit,
 )
+from tf_diffmap._tf_internal.profiles import ProfileEvent, profile_events
 from tf_diffmap._tf_internal.remote_functions import quiet_tasks, settle
 from tf_diffmap._tf_internal.row_reads import RowReads, resolve_row_reads, rewire_late_uses
 from tf_diffmap._tf_internal.variables import (
@@ -111,6 +113,7 @@ __all__ = [
     "DeferredWrites",
     "ExtendedBase",
     "InStore",
+    "ProfileEvent",
     "ResourceVariable",
     "RowReads",
     "StoreVariable",
@@ -134,6 +137,7 @@ __all__ = [
     "optimizer_slots",
     "optimizer_strategy",
     "optimizer_trainable_variables",
+    "profile_events",
     "pack_crossings",
     "per_replica",
     "place_scalars_beside_reads",
