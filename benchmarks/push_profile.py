@@ -7,9 +7,9 @@ process of its own (connecting makes a process a cluster's chief for good):
 
 - `one_host`: `tf_diffmap.Strategy` on 2 logical CPU devices of this host;
 - `cluster`: `tf_diffmap` on a localhost cluster (2 workers, 1 ps, this
-  process the chief) with the cluster's defaults (asynchronous windows);
-- `cluster_fresh`: the same with fresh windows (`max_step_staleness=0`,
-  the default on one host);
+  process the chief) with its defaults (fresh windows);
+- `cluster_async`: the same with asynchronous windows
+  (`max_step_staleness=1`);
 - `parameter_server`: tf-keras' `ParameterServerStrategy` on the same
   cluster shape, run where tf-keras imports (`--tf-keras-path`: a folder
   that holds the `tf_keras` package, put on the child's path).
@@ -49,8 +49,8 @@ __all__ = ["CONTENDERS", "main", "measure"]
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = {
     "one_host": "tf_diffmap, one host (2 replicas)",
-    "cluster": "tf_diffmap, cluster default (asynchronous windows)",
-    "cluster_fresh": "tf_diffmap, cluster, fresh windows",
+    "cluster": "tf_diffmap, cluster default (fresh windows)",
+    "cluster_async": "tf_diffmap, cluster, asynchronous windows",
     "parameter_server": "ParameterServerStrategy (tf-keras)",
 }
 MODEL = "mlp_wide"
@@ -87,7 +87,7 @@ def _cluster(name: str, ports: list[int] | None):
             strategy = tf.distribute.experimental.ParameterServerStrategy(servers.resolver())
             pids = servers.task_pids
         else:
-            options = {"max_step_staleness": 0} if name == "cluster_fresh" else {}
+            options = {"max_step_staleness": 1} if name == "cluster_async" else {}
             strategy = cluster.strategy_for_cluster(servers.resolver(), **options)
             pids = {f"{job} {i}": pid for (job, i), pid in servers.pids.items()}
     except BaseException:
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=10)
-    parser.add_argument("--contenders", default="one_host,cluster,cluster_fresh,parameter_server")
+    parser.add_argument("--contenders", default="one_host,cluster,cluster_async,parameter_server")
     parser.add_argument("--tf-keras-path", default=None)
     parser.add_argument("--figure", default=None, help="the timeline PNG to write")
     parser.add_argument("--out", default=None, help="keep each contender's JSON and profile")

@@ -806,7 +806,7 @@ def test_the_push_profile_counts_the_calls_of_a_batch_and_draws_its_step(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tf_diffmap")]
     assert any(row.startswith("| tf_diffmap, one host") for row in rows)
-    assert any(row.startswith("| tf_diffmap, cluster default") for row in rows)
+    assert any(row.startswith("| tf_diffmap, cluster default (fresh windows)") for row in rows)
     counted = json.loads((out / "cluster_tap.json").read_text())
     methods = {c["method"] for c in counted["calls"]}
     assert "RecvTensor" in methods and "?" not in methods
