@@ -122,7 +122,12 @@ class Plan:
     control_min_seconds: float = 2.0
     # tf_diffmap on a localhost cluster and with the same replicas in one
     # process; tf-keras' ParameterServerStrategy on a cluster of its own.
-    cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "tf_diffmap", "parameter_server")
+    cluster_contenders: tuple[str, ...] = (
+        "tf_diffmap_cluster",
+        "tf_diffmap_cluster_async",
+        "tf_diffmap",
+        "parameter_server",
+    )
     cluster_workers: int = 2  # one replica each; the in-process reference's devices
     cluster_ps: int = 1
     cluster_model: str = "mlp_wide"  # a key of `workloads.MODELS`
