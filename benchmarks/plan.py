@@ -18,6 +18,7 @@ __all__ = [
     "PRESETS",
     "WORKLOADS",
     "CLUSTER_CONTENDERS",
+    "EXTRA_CLUSTER_CONTENDERS",
     "AGGREGATED_RULES",
     "SPLIT_BATCH_CONTENDERS",
     "sessions",
@@ -45,6 +46,9 @@ CLUSTER_CONTENDERS = ("tf_diffmap_cluster", "tf_diffmap_cluster_async", "paramet
 # push. The per-update rules ("inverse", "dc", ...) change each shard's own
 # update, and run on `tf_diffmap_per_shard` (`gradients_per_step=1`).
 AGGREGATED_RULES = ("drop",)
+
+# Cluster contenders that no preset runs, run when `--contenders` names them.
+EXTRA_CLUSTER_CONTENDERS = ("tf_diffmap_cluster_async",)
 
 # Cluster contenders whose step splits the global batch over the workers (one
 # update per worker on `batch_size / workers` examples), as tf_diffmap does.
@@ -122,12 +126,7 @@ class Plan:
     control_min_seconds: float = 2.0
     # tf_diffmap on a localhost cluster and with the same replicas in one
     # process; tf-keras' ParameterServerStrategy on a cluster of its own.
-    cluster_contenders: tuple[str, ...] = (
-        "tf_diffmap_cluster",
-        "tf_diffmap_cluster_async",
-        "tf_diffmap",
-        "parameter_server",
-    )
+    cluster_contenders: tuple[str, ...] = ("tf_diffmap_cluster", "tf_diffmap", "parameter_server")
     cluster_workers: int = 2  # one replica each; the in-process reference's devices
     cluster_ps: int = 1
     cluster_model: str = "mlp_wide"  # a key of `workloads.MODELS`

@@ -531,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
             plan,
             contenders=chosen,
             control_contenders=tuple(c for c in plan.control_contenders if c in chosen),
-            cluster_contenders=tuple(c for c in plan.cluster_contenders if c in chosen),
+            cluster_contenders=tuple(
+                c
+                for c in (*plan.cluster_contenders, *plans.EXTRA_CLUSTER_CONTENDERS)
+                if c in chosen
+            ),
             embedding_contenders=tuple(c for c in plan.embedding_contenders if c in chosen),
             embedding_cluster_contenders=tuple(
                 c for c in plan.embedding_cluster_contenders if c in chosen
