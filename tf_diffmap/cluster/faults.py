@@ -492,7 +492,7 @@ class ClusterRecord(ReplicaRecord):
         if first:
             logger.warning(
                 "worker %s is unreachable (%s); its replicas %s are lost and "
-                "training goes on with the others. They rejoin when it serves again.",
+                "the work goes on with the others. They rejoin when it serves again.",
                 fault.task,
                 short_message(error),
                 lost,

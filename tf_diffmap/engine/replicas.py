@@ -176,7 +176,7 @@ class ReplicaRecord:
         self._mark_lost(group)
         logger.warning(
             "%s did not answer for %.0f s (worker_timeout) while the others waited "
-            "for it; its replicas %s are treated as lost and training goes on with "
+            "for it; its replicas %s are treated as lost and the work goes on with "
             "the others. They rejoin when it answers.",
             self._hung_where(replica_id),
             seconds,
