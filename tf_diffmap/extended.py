@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -28,6 +28,9 @@ from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN
 from tf_diffmap.store.parameter_store import optimizer_outside_scope_message, outside_scope_message
 from tf_diffmap.updates.optimizer import optimizer_chain
 from tf_diffmap.updates.step import current_step
+
+if TYPE_CHECKING:
+    from tf_diffmap.cluster.inference import ClusterInference
 
 __all__ = ["AsyncExtended"]
 
@@ -85,7 +88,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
         )
         # Per traced function and signature: its replica step, or for a
         # training step the feed that runs it.
-        self._steps: dict[Any, Any] = {}
+        self._steps: dict[Any, ReplicaStep | StepFeed | SplitInference | ClusterInference] = {}
         self._store_variable_ids: set[int] = set()
         self._made_here: weakref.WeakSet = weakref.WeakSet()
 
@@ -196,7 +199,9 @@ class AsyncExtended(_tf_internal.ExtendedBase):
                     "its own. Use a larger batch size instead."
                 )
 
-    def _step_for(self, fn, args, kwargs):
+    def _step_for(
+        self, fn, args, kwargs
+    ) -> ReplicaStep | StepFeed | SplitInference | ClusterInference:
         """The traced replica step for this call (and signature), or what runs
         it: its feed (a training step), or its split over the replicas (on
         one host, or on a cluster's workers present)."""
@@ -216,7 +221,7 @@ class AsyncExtended(_tf_internal.ExtendedBase):
             self._steps[key] = step
         return step
 
-    def _cluster_inference(self, step: ReplicaStep, fn, args, kwargs):
+    def _cluster_inference(self, step: ReplicaStep, fn, args, kwargs) -> ClusterInference:
         """A step that applies no update on a cluster: traced again, with its
         writes held, for every compute device, and its shards run on the
         workers present (`tf_diffmap.cluster.inference`)."""
