@@ -400,9 +400,7 @@ def pack_crossings(graph) -> int:
                 target = where.get(consumer)
                 if target is None or task_parts(target) == task_parts(source):
                     continue
-                users = groups.setdefault((source, target), {}).setdefault(
-                    tensor.ref(), []
-                )
+                users = groups.setdefault((source, target), {}).setdefault(tensor.ref(), [])
                 for index, given in enumerate(consumer.inputs):
                     if given is tensor and (consumer, index) not in users:
                         users.append((consumer, index))
