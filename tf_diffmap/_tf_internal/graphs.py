@@ -291,7 +291,7 @@ def _bring_to_conditionals(graph, operations, where: dict) -> int:
             source = where.get(tensor.op)
             if source is not None and task_parts(source) == task_parts(target):
                 continue
-            with graph.as_default(), tf.name_scope(PACKED_SCOPE), tf.device(target):
+            with graph.as_default(), tf.name_scope(PACKED_SCOPE + "/"), tf.device(target):
                 here = tf.identity(tensor)
             update_input(op, index, here)
             where[here.op] = target
@@ -406,7 +406,7 @@ def pack_crossings(graph) -> int:
                         users.append((consumer, index))
     after = successors(operations)
     packed = 0
-    with graph.as_default(), tf.name_scope(PACKED_SCOPE):
+    with graph.as_default(), tf.name_scope(PACKED_SCOPE + "/"):
         work = list(groups.items())
         while work:
             (source, target), uses = work.pop(0)
