@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
+from tf_diffmap import _tf_internal
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.partitioned import PartitionedVariable
 from tf_diffmap.store.rows import unique_rows, write_rows
@@ -75,7 +76,9 @@ def _maybe(condition: tf.Tensor, effects, device: str) -> tf.Tensor:
             return tf.constant(True)
 
     with tf.device(device):
-        return tf.cond(condition, run, lambda: tf.constant(False))
+        flag = tf.cond(condition, run, lambda: tf.constant(False))
+    _tf_internal.run_as_call(flag)
+    return flag
 
 
 @dataclasses.dataclass
@@ -430,9 +433,11 @@ class Accumulators:
             # The timer hears of a window opened once the mutex is free. Its
             # queue is on the client, and nothing of the push waits for it:
             # the replica step runs every op it makes before it ends.
+            with tf.device(self.host):
+                seconds = self.gate.shard_seconds.read_value()
             _maybe(
                 window.opening,
-                lambda: [self.gate.open(window.number, fresh.read_time)],
+                lambda: [self.gate.open(window.number, fresh.read_time, seconds)],
                 self.gate.events_host,
             )
         return window
@@ -549,6 +554,7 @@ class Accumulators:
 
         with tf.device(self.host):
             taken, weight, pushes, values, number = tf.cond(full, take, keep)
+        _tf_internal.run_as_call(taken)
         sums: list = [None] * len(self.variables)
         for i, value in zip(indices, values):
             sums[i] = value
