@@ -1046,39 +1046,3 @@ def test_the_model_whose_fit_runs_is_known_inside_its_fit():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[Seen()])
     assert seen == [model] and _tf_internal.fitting_model() is None
-
-
-def test_a_conditional_all_on_its_task_runs_as_a_call_and_others_stay_lowered():
-    """Kept whole, the branch not taken costs nothing at run time; a branch
-    that writes a variable of another task stays lowered."""
-    import numpy as np
-
-    other_ps = "/job:ps/replica:0/task:1/device:CPU:0"
-    graph = tf.Graph()
-    with graph.as_default():
-        with tf.device(PS):
-            here = tf.Variable(1.0, name="here")
-            flag = tf.compat.v1.placeholder(tf.bool, [], name="flag")
-            step = tf.cond(flag, lambda: here.assign_add(2.0), lambda: here.read_value())
-        with tf.device(other_ps):
-            there = tf.Variable(1.0, name="there")
-        with tf.device(PS):
-            reaching = tf.cond(flag, lambda: there.assign_add(2.0), lambda: there.read_value())
-    conditionals = [t.op.inputs[0].op for t in (step, reaching)]
-    assert all(op.node_def.attr[_tf_internal.graphs.LOWERING_ATTR].b for op in conditionals)
-    assert _tf_internal.run_as_call(step) == 1
-    assert _tf_internal.run_as_call(reaching) == 0
-    attrs = [op.node_def.attr[_tf_internal.graphs.LOWERING_ATTR].b for op in conditionals]
-    assert attrs == [False, True]
-    with tf.Graph().as_default() as local:
-        graph_def = graph.as_graph_def()
-        for node in graph_def.node:
-            node.device = ""
-        for function in graph_def.library.function:
-            for node in function.node_def:
-                node.device = ""
-        tf.graph_util.import_graph_def(graph_def, name="")
-        with tf.compat.v1.Session(graph=local) as session:
-            session.run(["here/Assign", "there/Assign"])
-            got = [session.run(f"{step.op.name}:0", {"flag:0": value}) for value in (True, False)]
-    np.testing.assert_array_equal(got, [3.0, 3.0])

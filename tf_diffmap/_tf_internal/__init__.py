@@ -63,7 +63,6 @@ from tf_diffmap._tf_internal.graphs import (
     nested_graphs,
     pack_crossings,
     place_scalars_beside_reads,
-    run_as_call,
 )
 from tf_diffmap._tf_internal.keras_internals import (
     OPTIMIZER_SLOTS,
@@ -140,7 +139,6 @@ __all__ = [
     "optimizer_trainable_variables",
     "profile_events",
     "pack_crossings",
-    "run_as_call",
     "per_replica",
     "place_scalars_beside_reads",
     "quiet_tasks",

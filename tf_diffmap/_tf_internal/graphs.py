@@ -12,17 +12,12 @@ placement and the transfers between devices change.
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
 from tf_diffmap.devices import task_parts
 
 # The private members of `tf.Operation` the rewrites use (checked by
 # `checks.compatibility_problems`, exercised by tests/test_tf_internal.py).
-OPERATION_MEMBERS = ("_set_device", "_update_input", "_is_stateful", "_set_attr")
-
-# The attribute by which TensorFlow lowers a conditional to switches and
-# merges before it runs (`cond_v2` sets it on every `If` it makes).
-LOWERING_ATTR = "_lower_using_switch_merge"
+OPERATION_MEMBERS = ("_set_device", "_update_input", "_is_stateful")
 
 
 def set_device(op, device: str) -> None:
@@ -34,77 +29,6 @@ def update_input(op, index: int, tensor: tf.Tensor) -> None:
     """Makes `op`, made earlier in the graph being traced, take `tensor` as
     its input `index`."""
     op._update_input(index, tensor)  # noqa: SLF001
-
-
-def run_as_call(outputs) -> int:
-    """Keeps the conditionals that made `outputs` (a structure of a
-    `tf.cond`'s outputs, in a graph being traced) whole, as calls of their
-    branch functions, instead of lowered to switches and merges.
-
-    Lowered, a conditional's every op runs at every step, those of the
-    branch not taken as dead values that TensorFlow's executor passes from
-    op to op; an optimizer's step, taken once per window, then costs its
-    ops at every push. Kept whole, the branch taken runs as one function on
-    the conditional's device, and the other costs nothing. For the store's
-    conditionals, whose every op is on the store's host.
-
-    A conditional is kept whole only where it has a full device and all of
-    it runs on that device's task: every variable it takes, and every op of
-    its branches (and of what they call) that names a device. A branch that
-    reaches another task stays lowered: called whole, it would run as a
-    function spread over tasks, started from the store's host.
-
-    Uses the private `Operation._set_attr`.
-
-    Returns:
-        How many conditionals it kept whole.
-    """
-    kept = 0
-    for tensor in tf.nest.flatten(outputs):
-        op = getattr(tensor, "op", None)
-        while op is not None and op.type == "Identity":
-            op = op.inputs[0].op if op.inputs else None
-        if op is None or op.type not in _CONDITIONALS:
-            continue
-        lowered = op.node_def.attr[LOWERING_ATTR].b if LOWERING_ATTR in op.node_def.attr else False
-        if lowered and _all_on_its_task(op):
-            op._set_attr(LOWERING_ATTR, attr_value_pb2.AttrValue(b=False))  # noqa: SLF001
-            kept += 1
-    return kept
-
-
-def _all_on_its_task(op) -> bool:
-    """Whether conditional `op` has a full device, and every variable it
-    takes and every op of its branches that names a device is on that
-    device's task."""
-    device = _full_device(op.device)
-    if device is None:
-        return False
-    task = task_parts(device)
-    graph = op.graph
-    outside = {
-        id(internal): external.device
-        for external, internal in getattr(graph, "captures", ())
-        if getattr(external, "dtype", None) == tf.resource
-    }
-    for tensor in op.inputs:
-        if tensor.dtype == tf.resource:
-            where = outside.get(id(tensor)) or tensor.op.device
-            if not where or task_parts(where) != task:
-                return False
-    functions = getattr(graph, "_functions", {})
-    branches = []
-    for name in ("then_branch", "else_branch"):
-        function = functions.get(op.node_def.attr[name].func.name)
-        if getattr(function, "graph", None) is None:
-            return False
-        branches.append(function.graph)
-    for branch in branches:
-        for nested in nested_graphs(branch):
-            for inner in nested.get_operations():
-                if inner.device and task_parts(inner.device) != task:
-                    return False
-    return True
 
 
 def is_stateful(op) -> bool:

@@ -41,7 +41,6 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-from tf_diffmap import _tf_internal
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.partitioned import PartitionedVariable
 from tf_diffmap.store.rows import unique_rows, write_rows
@@ -76,9 +75,7 @@ def _maybe(condition: tf.Tensor, effects, device: str) -> tf.Tensor:
             return tf.constant(True)
 
     with tf.device(device):
-        flag = tf.cond(condition, run, lambda: tf.constant(False))
-    _tf_internal.run_as_call(flag)
-    return flag
+        return tf.cond(condition, run, lambda: tf.constant(False))
 
 
 @dataclasses.dataclass
@@ -554,7 +551,6 @@ class Accumulators:
 
         with tf.device(self.host):
             taken, weight, pushes, values, number = tf.cond(full, take, keep)
-        _tf_internal.run_as_call(taken)
         sums: list = [None] * len(self.variables)
         for i, value in zip(indices, values):
             sums[i] = value

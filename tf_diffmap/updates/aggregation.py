@@ -296,24 +296,19 @@ class Aggregation:
                 step,
                 lambda: tf.constant(False),
             )
-            # Taken once per window: the step's ops cost nothing at the
-            # pushes that do not complete one.
-            _tf_internal.run_as_call(stepped)
             counted = self.store.optimizer_steps.assign_add(
                 tf.cast(stepped, tf.int64), read_value=False
             )
             # Once applied, the window is closed, and the replicas that
             # wait for it are let go.
             with tf.control_dependencies([counted]):
-                settled = tf.cond(
+                return tf.cond(
                     window.taken,
                     lambda: _after(
                         locked(gate.mutex, gate.host, lambda: (gate.settle(window.number), []))
                     ),
                     lambda: tf.constant(False),
                 )
-            _tf_internal.run_as_call(settled)
-            return settled
 
     # -- at a drain, and from the window timer ---------------------------------
 
