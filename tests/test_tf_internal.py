@@ -1046,3 +1046,27 @@ def test_the_model_whose_fit_runs_is_known_inside_its_fit():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[Seen()])
     assert seen == [model] and _tf_internal.fitting_model() is None
+
+
+def test_a_wait_for_a_value_that_travelled_packed_waits_for_its_piece():
+    """The ps's update waits for the worker's gradient ops (a claim waits
+    for the gradients): once the gradients travel packed, it waits for
+    their pieces on the ps, and no control edge crosses the tasks."""
+    import numpy as np
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(WORKER):
+            x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+            first, second = x * 2.0, x + 1.0
+        with tf.device(PS):
+            total = tf.compat.v1.placeholder(tf.float32, [3], name="total")
+            with tf.control_dependencies([first.op, second.op]):
+                counted = tf.identity(total)
+            out = counted + first + second
+    expected = _run_without_devices(graph, [out], {x: [1.0, 2.0, 3.0], total: [0.5] * 3})
+    assert _tf_internal.pack_crossings(graph) == 2
+    for control in counted.op.control_inputs:
+        assert control.device == PS and control.name.startswith(_tf_internal.PACKED_SCOPE)
+    actual = _run_without_devices(graph, [out], {x: [1.0, 2.0, 3.0], total: [0.5] * 3})
+    np.testing.assert_array_equal(actual[0], expected[0])

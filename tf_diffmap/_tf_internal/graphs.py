@@ -17,7 +17,13 @@ from tf_diffmap.devices import task_parts
 
 # The private members of `tf.Operation` the rewrites use (checked by
 # `checks.compatibility_problems`, exercised by tests/test_tf_internal.py).
-OPERATION_MEMBERS = ("_set_device", "_update_input", "_is_stateful")
+OPERATION_MEMBERS = (
+    "_set_device",
+    "_update_input",
+    "_is_stateful",
+    "_remove_all_control_inputs",
+    "_add_control_inputs",
+)
 
 
 def set_device(op, device: str) -> None:
@@ -29,6 +35,13 @@ def update_input(op, index: int, tensor: tf.Tensor) -> None:
     """Makes `op`, made earlier in the graph being traced, take `tensor` as
     its input `index`."""
     op._update_input(index, tensor)  # noqa: SLF001
+
+
+def replace_control_inputs(op, control_inputs) -> None:
+    """Makes `op`, made earlier in the graph being traced, wait for
+    `control_inputs` instead of the ops it waited for."""
+    op._remove_all_control_inputs()  # noqa: SLF001
+    op._add_control_inputs(control_inputs)  # noqa: SLF001
 
 
 def is_stateful(op) -> bool:
@@ -364,11 +377,15 @@ def pack_crossings(graph) -> int:
     on what is done with another one of its pack (on the far side, or
     through packs already made) is left out, counting the dependencies that
     `tf.function` adds between the ops on one resource once the trace ends;
-    what is left out makes packs of its own, by the same rule. Ops of nested
-    graphs (conditionals' branches) are left as they are; they see the
-    pieces through their graph's inputs.
+    what is left out makes packs of its own, by the same rule. An op that
+    waits for the maker of a packed value (a claim waits for the
+    gradients) waits for its piece instead, on its own task
+    (`_wait_for_arrivals`). Ops of nested graphs (conditionals' branches)
+    are left as they are; they see the pieces through their graph's inputs.
 
-    Uses the private `Operation._update_input` (`update_input`).
+    Uses the private `Operation._update_input` (`update_input`) and
+    `Operation._remove_all_control_inputs` and `_add_control_inputs`
+    (`replace_control_inputs`).
 
     Args:
         graph: the step's graph, while it is traced (before it becomes a
@@ -406,6 +423,9 @@ def pack_crossings(graph) -> int:
                         users.append((consumer, index))
     after = successors(operations)
     packed = 0
+    # Per op whose value travelled packed and task it went to, the piece
+    # that arrived there.
+    arrived: dict = {}
     with graph.as_default(), tf.name_scope(PACKED_SCOPE + "/"):
         work = list(groups.items())
         while work:
@@ -431,6 +451,7 @@ def pack_crossings(graph) -> int:
                 pieces = tf.split(joined, [_byte_size(t) for t in values])
                 for tensor, piece in zip(values, pieces):
                     unpacked = _from_bytes(piece, tensor)
+                    arrived[tensor.op, task_parts(target)] = (unpacked.op, values)
                     for consumer, index in uses[tensor.ref()]:
                         update_input(consumer, index, unpacked)
             # Later packs must see this one's dependencies: every consumer
@@ -438,4 +459,41 @@ def pack_crossings(graph) -> int:
             for tensor in values:
                 after[tensor.op].update(c for users in uses.values() for c, _ in users)
             packed += len(values)
+    _wait_for_arrivals(operations, where, arrived, after)
     return packed
+
+
+def _wait_for_arrivals(operations, where: dict, arrived: dict, after: dict) -> int:
+    """Makes each op that waits for an op of another task whose value came
+    to the op's task in a pack wait for the piece that arrived instead: it
+    exists only once that op has run, and waiting for it crosses no task (a
+    control edge between tasks is a transfer of its own). The piece stands
+    in only where no value of its pack comes after the op that would wait
+    (`after`, with the edges `tf.function` adds): that op would wait for
+    itself.
+
+    Returns:
+        How many waits it moved.
+    """
+    moved = 0
+    for op in operations:
+        target = where.get(op)
+        if target is None or not op.control_inputs:
+            continue
+        task = task_parts(target)
+        downstream = None
+        controls = []
+        for control in op.control_inputs:
+            arrival = arrived.get((control, task))
+            if arrival is not None:
+                if downstream is None:
+                    downstream = reaches(after, [op])
+                piece, values = arrival
+                if not any(value.op in downstream for value in values):
+                    control = piece
+            controls.append(control)
+        changed = sum(a is not b for a, b in zip(controls, op.control_inputs))
+        if changed:
+            replace_control_inputs(op, list(dict.fromkeys(controls)))
+            moved += changed
+    return moved
