@@ -145,12 +145,15 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) 
         fit(WARMUP_STEPS)
         short, long_ = max(1, steps // 3), steps
         counted, pushes = {}, {}
+        processes = {"chief": os.getpid(), **pids}
         for n in (short, long_):
             if tap is not None:
                 tap.reset()
             if not legacy:
                 strategy.reset_statistics()
+            cpu_before = _cpu_seconds(processes)
             seconds = fit(n)
+            cpu_after = _cpu_seconds(processes)
             counted[n] = (seconds, tap.report() if tap is not None else [])
             if not legacy:
                 figures = strategy.statistics().as_dict()
@@ -158,6 +161,11 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) 
         # The long fit's time, its start and last drain included: the
         # difference of two fits' times is too noisy on a shared host.
         step_ms = 1000 * counted[long_][0] / long_
+        # Each process' CPU per batch in the long fit (its start and last
+        # drain included, as in its time).
+        cpu_ms = {
+            task: 1000 * (cpu_after[task] - cpu_before[task]) / long_ for task in processes
+        }
         names = {pid: task for task, pid in pids.items()} | {os.getpid(): "chief"}
         calls = _per_step(counted[short][1], counted[long_][1], long_ - short, names)
         profile = None
@@ -181,6 +189,7 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) 
         "steps": [short, long_],
         "step_ms": step_ms,
         "examples_per_second": 1000 * BATCH / step_ms,
+        "cpu_ms": cpu_ms,
         # Gradients pushed per global batch (accepted, dropped as too stale).
         "pushes": [(pushes[long_][i] - pushes[short][i]) / (long_ - short) for i in (0, 1)]
         if pushes
@@ -188,6 +197,13 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) 
         "calls": calls,
         "profile": profile,
     }
+
+
+def _cpu_seconds(processes: dict[str, int]) -> dict[str, float]:
+    """Each process' user and system CPU seconds so far."""
+    import psutil
+
+    return {task: sum(psutil.Process(pid).cpu_times()[:2]) for task, pid in processes.items()}
 
 
 def _per_step(short: list[dict], long_: list[dict], steps: int, names) -> list[dict]:
@@ -348,6 +364,10 @@ def summary_rows(results: list[dict]) -> list[dict[str, str]]:
                 "contender": r["label"],
                 "ms/batch": f"{r['step_ms']:.1f}",
                 "examples/s": f"{r['examples_per_second']:,.0f}",
+                "CPU ms/batch by process": ", ".join(
+                    f"{task} {ms:.1f}" for task, ms in sorted(r.get("cpu_ms", {}).items())
+                )
+                or "–",
                 "pushes (dropped)": "–"
                 if not r.get("pushes")
                 else f"{r['pushes'][0]:.1f} ({r['pushes'][1]:.1f})",

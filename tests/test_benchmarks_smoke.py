@@ -812,6 +812,9 @@ def test_the_push_profile_counts_the_calls_of_a_batch_and_draws_its_step(tmp_pat
     assert "RecvTensor" in methods and "?" not in methods
     timed = json.loads((out / "cluster.json").read_text())
     assert timed["profile"]["tasks"]["ps 0"]["ops"] > 0
+    # Each process' CPU per batch: the chief (this process) and every task.
+    assert set(timed["cpu_ms"]) == {"chief", "worker 0", "worker 1", "ps 0"}
+    assert all(ms > 0 for ms in timed["cpu_ms"].values())
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -235,7 +235,9 @@ def test_the_window_timer_never_holds_the_training_thread_on_a_store_that_does_n
     assert calls["present"].wait(timeout=30)  # the timer's thread makes that call
     answers["present"].set()
     # A window that opened long ago: its patience ran out, the timer closes it.
-    gate.opened.enqueue([np.int64(0), time.time() - 10.0, time.time() - 10.0])
+    gate.opened.enqueue(
+        [np.int64(0), time.time() - 10.0, time.time() - 10.0, np.zeros([2], np.float64)]
+    )
     assert calls["close"].wait(timeout=30)
     lost.append(True)
     assert in_thread(timer.stop), "stop waited on a lost store"

@@ -210,6 +210,7 @@ def test_the_tables_print_a_row_per_contender_and_per_call():
         "label": "a contender",
         "step_ms": 10.0,
         "examples_per_second": 12800.0,
+        "cpu_ms": {"ps 0": 4.25, "chief": 3.0},
         "pushes": [2.0, 0.5],
         "calls": calls,
         "profile": {
@@ -230,7 +231,9 @@ def test_the_tables_print_a_row_per_contender_and_per_call():
     (sent,) = push_profile.send_rows([{**result, "contender": "cluster"}])
     assert sent["values sent"] == "4.0" and sent["most sent"] == "Reshape_1 3.0, LessEqual 1.0"
     table = push_profile.markdown([summary])
-    assert table.splitlines()[2].startswith("| a contender | 10.0 | 12,800 | 2.0 (0.5) | 6.0 |")
+    assert summary["CPU ms/batch by process"] == "chief 3.0, ps 0 4.2"
+    row = "| a contender | 10.0 | 12,800 | chief 3.0, ps 0 4.2 | 2.0 (0.5) | 6.0 |"
+    assert table.splitlines()[2].startswith(row)
 
 
 def test_a_saved_run_is_printed_again_and_a_missing_one_is_named(tmp_path):

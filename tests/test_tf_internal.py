@@ -831,6 +831,9 @@ def _run_without_devices(graph, fetches, feeds):
     graph_def = graph.as_graph_def()
     for node in graph_def.node:
         node.device = ""
+    for function in graph_def.library.function:
+        for node in function.node_def:
+            node.device = ""
     with tf.Graph().as_default() as local:
         tf.graph_util.import_graph_def(graph_def, name="")
         with tf.compat.v1.Session(graph=local) as session:
@@ -848,8 +851,9 @@ def test_values_crossing_between_tasks_travel_packed_and_unchanged():
         with tf.device(PS):
             kernel = tf.compat.v1.placeholder(tf.float32, [3, 2], name="kernel")
             bias = tf.compat.v1.placeholder(tf.float32, [2], name="bias")
-            steps = tf.compat.v1.placeholder(tf.int64, [], name="steps")  # not floating
+            steps = tf.compat.v1.placeholder(tf.int64, [], name="steps")
             kernel_read, bias_read = tf.identity(kernel), tf.identity(bias)
+            far = tf.compat.v1.placeholder(tf.float64, [], name="far")  # all 8 bytes
         with tf.device(WORKER):
             x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
             logits = tf.matmul(x, kernel_read) + bias_read
@@ -859,10 +863,18 @@ def test_values_crossing_between_tasks_travel_packed_and_unchanged():
             kernel_grad = 2.0 * tf.matmul(x, logits, transpose_a=True)
             bias_grad = 2.0 * tf.reduce_sum(logits, axis=0)
             counted = steps + 1
+            positive = loss > 0.0
+            halves = tf.cast(x[0], tf.float16)
+            small = tf.cast(steps, tf.int32) - 7
+            near = far * 3.0
         with tf.device(PS):
             new_kernel = kernel_read - 0.1 * kernel_grad
             new_bias = bias_read - 0.1 * bias_grad
             counted_there = counted * 2
+            both = tf.logical_and(positive, True)
+            halves_there = halves * 2.0
+            small_there = small * 3
+            near_there = near + 0.0
     before = {op.name for op in graph.get_operations()}
     rng = np.random.default_rng(0)
     feeds = {
@@ -870,12 +882,15 @@ def test_values_crossing_between_tasks_travel_packed_and_unchanged():
         bias: rng.normal(size=2).astype("float32"),
         steps: 4,
         x: rng.normal(size=(4, 3)).astype("float32"),
+        far: 1.0 / 3.0,
     }
-    fetches = [new_kernel, new_bias, counted_there, loss]
+    fetches = [new_kernel, new_bias, counted_there, loss, both, halves_there, small_there]
+    fetches.append(near_there)
     expected = _run_without_devices(graph, fetches, feeds)
 
-    # Two parameters to the worker, two gradients back; the int64 goes alone.
-    assert _tf_internal.pack_crossings(graph) == 4
+    # Four values to the worker (two parameters, an int64 and a float64),
+    # seven back, of six dtypes: one pack each way.
+    assert _tf_internal.pack_crossings(graph) == 11
     packed = [op for op in graph.get_operations() if op.name not in before]
     assert all(op.name.startswith(_tf_internal.PACKED_SCOPE) for op in packed)
     joins = {op.device: op for op in packed if op.type == "ConcatV2"}
@@ -886,18 +901,47 @@ def test_values_crossing_between_tasks_travel_packed_and_unchanged():
     for op in graph.get_operations():
         if op.name in before and op.device:
             for tensor in op.inputs:
-                crosses = tensor.op.device and tensor.op.device != op.device
-                if crosses and tensor.dtype == tf.float32:
+                if tensor.op.device and tensor.op.device != op.device:
                     assert tensor.op.name.startswith(_tf_internal.PACKED_SCOPE), op.name
-    assert counted.op.inputs[0] is steps
     actual = _run_without_devices(graph, fetches, feeds)
     for want, got in zip(expected, actual):
+        assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)  # bit for bit
+
+
+def test_a_conditional_takes_what_another_task_sends_it_in_one_pack():
+    """A conditional on the ps whose inputs (and predicate) come from the
+    worker: each would travel alone into its branch; brought to the
+    conditional's device, they travel as one pack."""
+    import numpy as np
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(WORKER):
+            x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+            n = tf.compat.v1.placeholder(tf.int64, [], name="n")
+            gradient, count, go = x * 2.0, n + 1, tf.reduce_sum(x) > 0.0
+        with tf.device(PS):
+            total = tf.compat.v1.placeholder(tf.float32, [3], name="total")
+            out = tf.cond(go, lambda: (total + gradient, count * 2), lambda: (total, count))
+    feeds = {x: [1.0, -2.0, 3.0], n: 5, total: [0.5, 0.5, 0.5]}
+    expected = _run_without_devices(graph, list(out), feeds)
+    conditional = out[0].op.inputs[0].op
+    assert conditional.type in ("If", "StatelessIf")
+    # The predicate, the gradient and the count.
+    assert _tf_internal.pack_crossings(graph) == 3
+    for tensor in conditional.inputs:
+        if tensor.dtype != tf.resource:
+            assert tf.DeviceSpec.from_string(tensor.op.device).job == "ps", tensor.name
+    actual = _run_without_devices(graph, list(out), feeds)
+    for want, got in zip(expected, actual):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_value_that_waits_for_its_packs_consumers_is_not_packed():
     """Packing b with a would make b wait for itself: b is computed on the ps
-    from what the worker made of a."""
+    from what the worker made of a. b and c, both after the worker's use of
+    a, travel in a second pack of their own."""
     graph = tf.Graph()
     with graph.as_default():
         with tf.device(PS):
@@ -913,9 +957,16 @@ def test_a_value_that_waits_for_its_packs_consumers_is_not_packed():
         with tf.device(WORKER):
             b_used = b * 3.0
             out = b_used + tf.reduce_sum(d_there) + tf.reduce_sum(c)
-    assert _tf_internal.pack_crossings(graph) == 2  # a and d; neither b nor c
-    assert b_used.op.inputs[0] is b
-    assert not c.op.name.startswith(_tf_internal.PACKED_SCOPE)
+    assert _tf_internal.pack_crossings(graph) == 4  # a and d, then b and c
+    joins = [op for op in graph.get_operations() if op.type == "ConcatV2"]
+
+    def origin(tensor):
+        while tensor.op.name.startswith(_tf_internal.PACKED_SCOPE):
+            tensor = tensor.op.inputs[0]
+        return tensor.name
+
+    packs = [{origin(t) for t in join.inputs[:-1]} for join in joins]
+    assert sorted(map(sorted, packs)) == [["Identity:0", "Identity_1:0"], ["Identity_2:0", "add:0"]]
     (value,) = _run_without_devices(graph, [out], {a: [1.0, 2.0], d: [1.0, 1.0, 1.0]})
     assert list(value) == [15.0, 21.0]
 
@@ -995,3 +1046,27 @@ def test_the_model_whose_fit_runs_is_known_inside_its_fit():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0, callbacks=[Seen()])
     assert seen == [model] and _tf_internal.fitting_model() is None
+
+
+def test_a_wait_for_a_value_that_travelled_packed_waits_for_its_piece():
+    """The ps's update waits for the worker's gradient ops (a claim waits
+    for the gradients): once the gradients travel packed, it waits for
+    their pieces on the ps, and no control edge crosses the tasks."""
+    import numpy as np
+
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(WORKER):
+            x = tf.compat.v1.placeholder(tf.float32, [3], name="x")
+            first, second = x * 2.0, x + 1.0
+        with tf.device(PS):
+            total = tf.compat.v1.placeholder(tf.float32, [3], name="total")
+            with tf.control_dependencies([first.op, second.op]):
+                counted = tf.identity(total)
+            out = counted + first + second
+    expected = _run_without_devices(graph, [out], {x: [1.0, 2.0, 3.0], total: [0.5] * 3})
+    assert _tf_internal.pack_crossings(graph) == 2
+    for control in counted.op.control_inputs:
+        assert control.device == PS and control.name.startswith(_tf_internal.PACKED_SCOPE)
+    actual = _run_without_devices(graph, [out], {x: [1.0, 2.0, 3.0], total: [0.5] * 3})
+    np.testing.assert_array_equal(actual[0], expected[0])

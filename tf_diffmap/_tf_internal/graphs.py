@@ -17,7 +17,13 @@ from tf_diffmap.devices import task_parts
 
 # The private members of `tf.Operation` the rewrites use (checked by
 # `checks.compatibility_problems`, exercised by tests/test_tf_internal.py).
-OPERATION_MEMBERS = ("_set_device", "_update_input", "_is_stateful")
+OPERATION_MEMBERS = (
+    "_set_device",
+    "_update_input",
+    "_is_stateful",
+    "_remove_all_control_inputs",
+    "_add_control_inputs",
+)
 
 
 def set_device(op, device: str) -> None:
@@ -29,6 +35,13 @@ def update_input(op, index: int, tensor: tf.Tensor) -> None:
     """Makes `op`, made earlier in the graph being traced, take `tensor` as
     its input `index`."""
     op._update_input(index, tensor)  # noqa: SLF001
+
+
+def replace_control_inputs(op, control_inputs) -> None:
+    """Makes `op`, made earlier in the graph being traced, wait for
+    `control_inputs` instead of the ops it waited for."""
+    op._remove_all_control_inputs()  # noqa: SLF001
+    op._add_control_inputs(control_inputs)  # noqa: SLF001
 
 
 def is_stateful(op) -> bool:
@@ -174,7 +187,15 @@ def place_scalars_beside_reads(graph, replica_device: str) -> int:
 # Where the ops that pack and unpack the values crossing between tasks are named.
 PACKED_SCOPE = "tf_diffmap_packed"
 
-_PACKED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+# What travels packed: a pack holds the bytes of values of any of these.
+_PACKED_DTYPES = frozenset(
+    {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.bool}
+    | {tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16}
+)
+
+# Conditionals: TensorFlow lowers one to switches beside each input's maker
+# and merges on the conditional's own device.
+_CONDITIONALS = frozenset({"If", "StatelessIf"})
 
 # Values above this size travel alone: their transfer's fixed cost is small
 # beside their bytes, and joining them would only copy them once more.
@@ -199,8 +220,12 @@ def _runs_on(op, handles: dict[int, str]) -> str | None:
     """Where the placer will put `op`, when the graph already says so: beside
     the variable of its resource input, or on its own full device. None
     when that is for the placer to decide (a `colocate_with`, a partial or
-    empty device, a call of a function or a conditional, whose ops go
-    where their own devices say)."""
+    empty device, a call of a function or a loop, whose ops go where their
+    own devices say). A conditional of a full device runs there: its
+    merges do, and its switches once `_bring_to_conditionals` has run."""
+    if op.type in _CONDITIONALS:
+        # Its outputs come from its merges, on its device.
+        return _full_device(op.device)
     if op.type in _CALLS:
         return None
     for tensor in op.inputs:
@@ -252,34 +277,115 @@ def reaches(after: dict, starts) -> set:
     return seen
 
 
+def _bring_to_conditionals(graph, operations, where: dict) -> int:
+    """Makes each conditional of a full device take the values it gets
+    from another task through an identity on its own device.
+
+    TensorFlow lowers a conditional to a switch beside each input's maker,
+    so that a value going into a branch on another task travels from
+    there, alone, and so does the predicate, to every switch. Taken on the
+    conditional's device (where its branches' ops run, the store's ops
+    under the store's conditionals), each such value is an ordinary
+    crossing at the step's top level, which packs with the others.
+
+    Returns:
+        How many inputs it brought.
+    """
+    brought = 0
+    for op in operations:
+        target = where.get(op)
+        if op.type not in _CONDITIONALS or target is None:
+            continue
+        for index, tensor in enumerate(op.inputs):
+            if tensor.dtype in (tf.resource, tf.variant):
+                continue
+            # A value of a device not known yet (an argument of the step)
+            # is brought too: from another task it then travels once.
+            source = where.get(tensor.op)
+            if source is not None and task_parts(source) == task_parts(target):
+                continue
+            with graph.as_default(), tf.name_scope(PACKED_SCOPE + "/"), tf.device(target):
+                here = tf.identity(tensor)
+            update_input(op, index, here)
+            where[here.op] = target
+            brought += 1
+    return brought
+
+
+def _byte_size(tensor: tf.Tensor) -> int:
+    return tensor.shape.num_elements() * tensor.dtype.size
+
+
+def _cpu_of(device: str) -> str:
+    """The CPU of `device`'s task: where a pack is made and cut (every
+    dtype's concatenation and bitcast has a CPU kernel)."""
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def _as_bytes(tensor: tf.Tensor) -> tf.Tensor:
+    """`tensor`'s bytes, flat (a truth value as one byte)."""
+    flat = tf.reshape(tensor, [-1])
+    if tensor.dtype == tf.bool:
+        return tf.cast(flat, tf.uint8)
+    if tensor.dtype == tf.uint8:
+        return flat
+    return tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
+
+
+def _from_bytes(piece: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    """The value of `like`'s dtype and shape whose bytes `piece` holds."""
+    if like.dtype == tf.bool:
+        value = tf.cast(piece, tf.bool)
+    elif like.dtype == tf.uint8:
+        value = piece
+    elif like.dtype.size == 1:
+        value = tf.bitcast(piece, like.dtype)
+    else:
+        value = tf.bitcast(tf.reshape(piece, [-1, like.dtype.size]), like.dtype)
+    return tf.reshape(value, like.shape)
+
+
 def pack_crossings(graph) -> int:
     """Makes the values that a traced step sends from one task to another
-    travel as one tensor per pair of devices and dtype.
+    travel as one tensor per pair of devices.
 
     On a cluster a replica step reads every parameter from a ps task, sends
-    every gradient back, and sends its metrics' updates to the chief: each
-    value is one transfer between the tasks, a remote call with its own
-    fixed cost on both sides, per value and per update (a convolutional
-    network with batch normalization has dozens of variables). Here the
-    floating-point values that go from one device to a device of another
-    task are flattened and joined where they are made, travel as one
-    tensor, and are cut apart again where they are used: every op that used
-    one of them uses its piece. Only the transfers change: each op runs
-    where and after what it ran before, and the values are the same, bit
-    for bit.
+    every gradient back with its push's counts and flags, and sends its
+    metrics' updates to the chief: each value is one transfer between the
+    tasks, a remote call with its own fixed cost on both sides, per value
+    and per update (a convolutional network with batch normalization has
+    dozens of variables). Here the values that go from one device to a
+    device of another task (floating-point, integer and truth values) are
+    joined where they are made, as their bytes, on their task's CPU, travel
+    as one tensor, and are cut apart again where they are used: every op
+    that used one of them uses its piece. Only the transfers change: each op
+    runs where and after what it ran before, and the values are the same,
+    bit for bit.
+
+    A conditional of a full device (the store's, under its mutex) first
+    takes what comes from another task through an identity on its own
+    device (`_bring_to_conditionals`): lowered, it would otherwise switch
+    each value beside its maker and send it into the branch alone, with
+    the predicate to every such switch.
 
     A pair of devices is packed only where both ends are known as the step
     is traced (an op beside the variable it reads or writes, or an op with
     a full device), for values of fully known shape and at most
     `PACK_MAX_BYTES` (a larger value's bytes outweigh its call), two or more
-    at a time. Joining values makes each wait for all: a value that depends on what is
-    done with another one of its pack (on the far side, or through packs
-    already made) is left out, counting the dependencies that `tf.function`
-    adds between the ops on one resource once the trace ends. Ops of nested
-    graphs (conditionals' branches) are left as they are; they see the
-    pieces through their graph's inputs.
+    at a time. Joining values makes each wait for all: a value that depends
+    on what is done with another one of its pack (on the far side, or
+    through packs already made) is left out, counting the dependencies that
+    `tf.function` adds between the ops on one resource once the trace ends;
+    what is left out makes packs of its own, by the same rule. An op that
+    waits for the maker of a packed value (a claim waits for the
+    gradients) waits for its piece instead, on its own task
+    (`_wait_for_arrivals`). Ops of nested graphs (conditionals' branches)
+    are left as they are; they see the pieces through their graph's inputs.
 
-    Uses the private `Operation._update_input` (`update_input`).
+    Uses the private `Operation._update_input` (`update_input`) and
+    `Operation._remove_all_control_inputs` and `_add_control_inputs`
+    (`replace_control_inputs`).
 
     Args:
         graph: the step's graph, while it is traced (before it becomes a
@@ -295,6 +401,8 @@ def pack_crossings(graph) -> int:
     }
     operations = graph.get_operations()
     where = {op: _runs_on(op, handles) for op in operations}
+    if _bring_to_conditionals(graph, operations, where):
+        operations = graph.get_operations()
     groups: dict[tuple, dict] = {}
     for op in operations:
         source = where[op]
@@ -303,40 +411,47 @@ def pack_crossings(graph) -> int:
         for tensor in op.outputs:
             if tensor.dtype not in _PACKED_DTYPES or not tensor.shape.is_fully_defined():
                 continue
-            if tensor.shape.num_elements() * tensor.dtype.size > PACK_MAX_BYTES:
+            if _byte_size(tensor) > PACK_MAX_BYTES:
                 continue
             for consumer in tensor.consumers():
                 target = where.get(consumer)
                 if target is None or task_parts(target) == task_parts(source):
                     continue
-                users = groups.setdefault((source, target, tensor.dtype), {}).setdefault(
-                    tensor.ref(), []
-                )
+                users = groups.setdefault((source, target), {}).setdefault(tensor.ref(), [])
                 for index, given in enumerate(consumer.inputs):
                     if given is tensor and (consumer, index) not in users:
                         users.append((consumer, index))
     after = successors(operations)
     packed = 0
-    with graph.as_default(), tf.name_scope(PACKED_SCOPE):
-        for (source, target, _), uses in groups.items():
+    # Per op whose value travelled packed and task it went to, the piece
+    # that arrived there.
+    arrived: dict = {}
+    with graph.as_default(), tf.name_scope(PACKED_SCOPE + "/"):
+        work = list(groups.items())
+        while work:
+            (source, target), uses = work.pop(0)
             # Leave out what depends on the pack's own consumers, until
-            # nothing does.
+            # nothing does; what is left out may make a pack of its own.
+            left_out: dict = {}
             while len(uses) > 1:
                 downstream = reaches(after, [c for users in uses.values() for c, _ in users])
                 cyclic = [ref for ref in uses if ref.deref().op in downstream]
                 if not cyclic:
                     break
                 for ref in cyclic:
-                    del uses[ref]
+                    left_out[ref] = uses.pop(ref)
+            if len(left_out) > 1:
+                work.append(((source, target), left_out))
             if len(uses) < 2:
                 continue
             values = [ref.deref() for ref in uses]
-            with tf.device(source):
-                joined = tf.concat([tf.reshape(t, [-1]) for t in values], 0)
-            with tf.device(target):
-                pieces = tf.split(joined, [t.shape.num_elements() for t in values])
+            with tf.device(_cpu_of(source)):
+                joined = tf.concat([_as_bytes(t) for t in values], 0)
+            with tf.device(_cpu_of(target)):
+                pieces = tf.split(joined, [_byte_size(t) for t in values])
                 for tensor, piece in zip(values, pieces):
-                    unpacked = tf.reshape(piece, tensor.shape)
+                    unpacked = _from_bytes(piece, tensor)
+                    arrived[tensor.op, task_parts(target)] = (unpacked.op, values)
                     for consumer, index in uses[tensor.ref()]:
                         update_input(consumer, index, unpacked)
             # Later packs must see this one's dependencies: every consumer
@@ -344,4 +459,41 @@ def pack_crossings(graph) -> int:
             for tensor in values:
                 after[tensor.op].update(c for users in uses.values() for c, _ in users)
             packed += len(values)
+    _wait_for_arrivals(operations, where, arrived, after)
     return packed
+
+
+def _wait_for_arrivals(operations, where: dict, arrived: dict, after: dict) -> int:
+    """Makes each op that waits for an op of another task whose value came
+    to the op's task in a pack wait for the piece that arrived instead: it
+    exists only once that op has run, and waiting for it crosses no task (a
+    control edge between tasks is a transfer of its own). The piece stands
+    in only where no value of its pack comes after the op that would wait
+    (`after`, with the edges `tf.function` adds): that op would wait for
+    itself.
+
+    Returns:
+        How many waits it moved.
+    """
+    moved = 0
+    for op in operations:
+        target = where.get(op)
+        if target is None or not op.control_inputs:
+            continue
+        task = task_parts(target)
+        downstream = None
+        controls = []
+        for control in op.control_inputs:
+            arrival = arrived.get((control, task))
+            if arrival is not None:
+                if downstream is None:
+                    downstream = reaches(after, [op])
+                piece, values = arrival
+                if not any(value.op in downstream for value in values):
+                    control = piece
+            controls.append(control)
+        changed = sum(a is not b for a, b in zip(controls, op.control_inputs))
+        if changed:
+            replace_control_inputs(op, list(dict.fromkeys(controls)))
+            moved += changed
+    return moved

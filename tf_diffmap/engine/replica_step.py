@@ -287,7 +287,7 @@ class ReplicaStep:
             # while every task serves.
             for optimizer in optimizers:
                 aggregation = runtime.aggregation_for(innermost(optimizer))
-                aggregation.trace_flush(strategy, runtime.client_host)
+                aggregation.trace_flush(strategy)
         self.trains = trains[0]
         self.plain_writes = plain_writes
         if self.trains and runtime.aggregates and not pushed[0]:

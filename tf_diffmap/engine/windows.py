@@ -168,8 +168,8 @@ class WindowTimer:
         if not threads:
             return
         self._stop.set()
-        self.gate.opened.enqueue([np.int64(-1), 0.0, 0.0])
-        self._opened.put((-1, 0.0, 0.0))
+        self.gate.opened.enqueue(self.gate.stop_event())
+        self._opened.put((-1, 0.0, 0.0, None))
         reader, timer = threads
         reader.join()
         if not self._store_lost():
@@ -178,14 +178,13 @@ class WindowTimer:
         while int(self.gate.opened.size()):
             self.gate.opened.dequeue()
 
-    def patience_for(self, opener_seconds: float) -> float:
+    def patience_for(self, opener_seconds: float, seconds: np.ndarray) -> float:
         """The patience of a window whose opener took `opener_seconds`
         from its read to its push: the median present replica's average
-        read-to-push time (the opener's own before any is known), times
-        `1 + margin`."""
+        read-to-push time (`seconds`, per replica, as the window opened;
+        the opener's own before any is known), times `1 + margin`."""
         present = self._present()
         self._tell_present(present)
-        seconds = self.gate.shard_seconds.numpy()
         known = [seconds[r] for r in present if seconds[r] > 0]
         pace = float(np.median(known)) if known else opener_seconds
         return pace * (1.0 + self.margin)
@@ -202,12 +201,12 @@ class WindowTimer:
         has one)."""
         try:
             while True:
-                number, read_time, push_time = self.gate.opened.dequeue()
-                self._opened.put((int(number), float(read_time), float(push_time)))
+                number, read_time, push_time, seconds = self.gate.opened.dequeue()
+                self._opened.put((int(number), float(read_time), float(push_time), seconds.numpy()))
                 if int(number) < 0:
                     return
         except BaseException as error:  # noqa: BLE001 - handed to the runtime
-            self._opened.put((-1, 0.0, 0.0))
+            self._opened.put((-1, 0.0, 0.0, None))
             self._failed(error)
 
     def _run(self) -> None:
@@ -239,8 +238,8 @@ class WindowTimer:
                     return
                 if number is not None and opened[0] <= number:
                     continue  # Told late: a newer window is timed already.
-                number, read_time, push_time = opened
-                patience = self.patience_for(max(push_time - read_time, 0.0))
+                number, read_time, push_time, seconds = opened
+                patience = self.patience_for(max(push_time - read_time, 0.0), seconds)
                 self.patience = patience
                 deadline = read_time + patience
         except BaseException as error:  # noqa: BLE001 - handed to the runtime

@@ -144,19 +144,22 @@ def locked(mutex: tf.Tensor, device: str, section):
         mutex: a `MutexV2` resource.
         device: the mutex's device.
         section: returns `(outputs, effects)`: a structure of tensors, and
-            ops that must run before the mutex is released.
+            ops that must run before the mutex is released. Its ops run on
+            `device` unless they name their own.
 
     Returns:
         `outputs`, available once the mutex is released.
     """
     with tf.device(device):
         lock = tf.raw_ops.MutexLock(mutex=mutex)
-    with tf.control_dependencies([lock]):
+    with tf.control_dependencies([lock]), tf.device(device):
         outputs, effects = section()
     flat = [t for t in tf.nest.flatten(outputs) if t is not None]
     with tf.control_dependencies(flat + list(effects)), tf.device(device):
         released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
-    with tf.control_dependencies([released]):
+    # The outputs stay on the mutex's device: where they are used next
+    # decides whether they travel, not where the section was traced.
+    with tf.control_dependencies([released]), tf.device(device):
         return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), outputs)
 
 
@@ -424,14 +427,16 @@ class Accumulators:
         with tf.control_dependencies(ready + [weight]):
             window = self._locked_window(section)
         if fresh is not None:
-            # The timer hears of a window opened once the mutex is free.
-            opened = _maybe(
+            # The timer hears of a window opened once the mutex is free. Its
+            # queue is on the client, and nothing of the push waits for it:
+            # the replica step runs every op it makes before it ends.
+            with tf.device(self.host):
+                seconds = self.gate.shard_seconds.read_value()
+            _maybe(
                 window.opening,
-                lambda: [self.gate.open(window.number, fresh.read_time)],
+                lambda: [self.gate.open(window.number, fresh.read_time, seconds)],
                 self.gate.events_host,
             )
-            with tf.control_dependencies([opened]):
-                window.accepted = tf.identity(window.accepted)
         return window
 
     def flush(self) -> Window:

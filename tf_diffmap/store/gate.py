@@ -120,8 +120,15 @@ class Gate:
             # Beside the window timer, which blocks in its dequeue: a
             # blocking eager op on the store's host would hold the client's
             # stream of requests to it (ordered, while a worker is lost).
+            # Each window opened: its number, its opener's read and push
+            # times, and every replica's read-to-push time then (the
+            # timer's patience, read with the push, not by a call of its
+            # own).
             self.opened = tf.queue.FIFOQueue(
-                -1, [tf.int64, tf.float64, tf.float64], shapes=[[], [], []], name=f"{name}_opened"
+                -1,
+                [tf.int64, tf.float64, tf.float64, tf.float64],
+                shapes=[[], [], [], [replicas]],
+                name=f"{name}_opened",
             )
 
     # -- in a replica's graph, before its read ----------------------------------
@@ -168,12 +175,18 @@ class Gate:
             row = tf.reshape(tf.cast(replica_id, tf.int64), [1, 1])
             return self.owed.scatter_nd_update(row, tf.reshape(window + 1, [1])).op
 
-    def open(self, window: tf.Tensor, read_time: tf.Tensor) -> tf.Operation:
-        """Tells the timer that `window` opened, read at `read_time` (after
-        the push's mutex is released: nothing under it waits for another
-        task)."""
+    def open(self, window: tf.Tensor, read_time: tf.Tensor, seconds: tf.Tensor) -> tf.Operation:
+        """Tells the timer that `window` opened, read at `read_time`, with
+        the replicas' read-to-push times `seconds` (after the push's mutex
+        is released: nothing under it waits for another task)."""
         with tf.device(self.events_host):
-            return self.opened.enqueue([window, tf.cast(read_time, tf.float64), tf.timestamp()])
+            return self.opened.enqueue(
+                [window, tf.cast(read_time, tf.float64), tf.timestamp(), seconds]
+            )
+
+    def stop_event(self) -> list:
+        """What the timer's reader takes as its signal to end."""
+        return [np.int64(-1), 0.0, 0.0, np.zeros([self.replicas], np.float64)]
 
     def take(self, taker: tf.Tensor) -> tf.Tensor:
         """A window is taken by replica `taker` (-1: the timer or a drain):

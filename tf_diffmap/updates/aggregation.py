@@ -190,16 +190,23 @@ class Aggregation:
         self._adopt_penalties(state, variables)
         grads = list(grads)
         claim = state.claim(after=grads, record=False)
+        with tf.device(self.store.host):
+            # The push's bookkeeping runs where the store is: a value made on
+            # the replica's device would travel to the store one by one.
+            self._push(state, claim, grads)
+
+    def _push(self, state: StepState, claim, grads: list) -> None:
+        """The push of `apply` once claimed, and the step if it completes
+        a window (on the store's host)."""
         accepted = tf.constant(True) if claim.keep is None else claim.keep
         if self.fresh:
             read_closed = state.window_reads[id(self.gate)]
             read = FreshPush(state.replica_id, read_closed, state.read_time)
             with tf.control_dependencies([claim.staleness]):
                 window = self.accumulators.push(grads, accepted, state.examples, read)
-            with tf.device(self.store.host):
-                # In steps, a push is as stale as the windows taken since its
-                # read: 0 where accepted.
-                claim.step_staleness = tf.maximum(window.number - read_closed, 0)
+            # In steps, a push is as stale as the windows taken since its
+            # read: 0 where accepted.
+            claim.step_staleness = tf.maximum(window.number - read_closed, 0)
             state.record(claim, window.accepted, None)
             with tf.control_dependencies([window.accepted]):
                 self.gate.timed(state.replica_id, state.read_time)
@@ -305,16 +312,17 @@ class Aggregation:
 
     # -- at a drain, and from the window timer ---------------------------------
 
-    def trace_flush(self, strategy, device: str) -> None:
+    def trace_flush(self, strategy) -> None:
         """Traces the functions that apply a partial window at a drain, and
         that close or fill a window open past its patience (call once the
-        accumulators exist, in a clean thread, inside the strategy's scope)."""
+        accumulators exist, in a clean thread, inside the strategy's scope).
+        They run where the store is: the client only calls them."""
         if self.accumulators is None or self._flush_concrete is not None:
             return
 
         def outside_replicas(take):
             with (
-                tf.device(device),
+                tf.device(self.store.host),
                 tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0),
             ):
                 state = StepState(self.store, tf.constant(0, tf.int32))
