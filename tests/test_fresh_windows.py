@@ -247,3 +247,43 @@ def test_the_window_timer_never_holds_the_training_thread_on_a_store_that_does_n
     left[0].join(timeout=30)
     assert not left[0].is_alive() and errors == []
     assert int(gate.opened.size()) == 0
+
+
+def test_a_window_whose_opening_was_never_told_is_timed_once_replicas_are_lost():
+    """A push whose call is cut off (its worker died) after the store opened
+    its window never tells the timer: the runtime's `recheck` has the timer
+    time the window open now, and close it once its patience runs out, also
+    while it still times an older window."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    gate.shard_seconds.assign([0.05, 0.05])  # a patience of 0.1 s at margin 1
+    closed = []
+    closing = threading.Event()
+
+    def close_late(number, fill):
+        closed.append(number)
+        closing.set()
+        return 1, 0
+
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        1.0,
+        present=lambda: [0],
+        may_fill=lambda: False,
+        on_error=pytest.fail,
+    )
+    timer.start()
+    try:
+        # Window 2 opened and was told, with a patience far off; window 3
+        # opened and was not (the windows taken so far say which is open).
+        now = time.time()
+        gate.opened.enqueue([np.int64(2), now, now, np.full([2], 1e4)])
+        gate.windows.assign(3)
+        time.sleep(0.5)
+        assert closed == []  # nothing was due: window 2's patience is far off
+        timer.recheck()
+        assert closing.wait(timeout=30), "the window open now was never closed"
+        assert closed == [3]
+        assert int(gate.present.numpy()) == 1  # the lost replica no longer counts
+    finally:
+        timer.stop()

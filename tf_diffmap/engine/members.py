@@ -54,6 +54,11 @@ class ReplicaMembers:
         """The training steps' feeds (`runtime.Feed`), which `Runtime` keeps."""
         raise NotImplementedError
 
+    def recheck_windows(self) -> None:
+        """Replicas were lost: the window timers, which `Runtime` keeps,
+        look at the window open now."""
+        raise NotImplementedError
+
     def _new_record(self) -> ReplicaRecord:
         """The replicas' record: a cluster's when a replica is on a task of
         one (`/job:...`), else one host's, and the cluster's modules are not
@@ -142,6 +147,7 @@ class ReplicaMembers:
 
     def hung(self, replica_id: int, group, seconds: float) -> None:
         self.record.hung(replica_id, group, seconds)
+        self.recheck_windows()
 
     def answered(self, group) -> None:
         self.record.answered(group)

@@ -295,6 +295,12 @@ class Runtime(ReplicaMembers):
             if r not in absent and all(s[r] not in gone for s in states)
         ]
 
+    def recheck_windows(self) -> None:
+        """Replicas were lost: each window timer looks at the window open
+        now (`WindowTimer.recheck`)."""
+        for timer in self.timers():
+            timer.recheck()
+
     def _timer_failed(self, error: BaseException) -> None:
         error = self.record.store_error(error)
         with self._error_lock:
@@ -452,6 +458,7 @@ class Runtime(ReplicaMembers):
                 for aggregation in self.aggregations():
                     if aggregation.fresh:
                         aggregation.settle_lost(replica_id)
+                self.recheck_windows()
             return ReplicaState(state)
         with self._error_lock:
             if self._error is None:

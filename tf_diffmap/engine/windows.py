@@ -4,7 +4,8 @@ Where windows are fresh (`Strategy(max_step_staleness=0)`, see
 `tf_diffmap.store.gate`), replicas that pushed into an open window wait, in
 a TensorFlow queue's dequeue, until it closes. TensorFlow's queue ops have
 no timeout that works, so one thread on the host per aggregation keeps the
-time: the push that opens a window tells it (the gate's `opened` queue),
+time: the push that opens a window tells it (the gate's `opened` queue;
+where replicas were lost, the runtime has it look: `WindowTimer.recheck`),
 and if the window is still open when its patience has run out, the timer
 either closes it short (a step on the gradients that came, weighted by
 their examples: backup replicas) or fills it (lets as many blocked replicas
@@ -93,6 +94,10 @@ replica's read-to-push time (see `WindowTimer`): a window waits twice the
 median replica's shard. Set before any measurement, and the tuning half of
 the grid ran with it; other margins have not been compared there yet."""
 
+# What `WindowTimer.recheck` hands the timer's thread in place of a window
+# opened (the reader's end is -1).
+_RECHECK = -2
+
 
 class WindowTimer:
     """Closes or fills an aggregation's windows once their patience runs out.
@@ -178,6 +183,19 @@ class WindowTimer:
         while int(self.gate.opened.size()):
             self.gate.opened.dequeue()
 
+    def recheck(self) -> None:
+        """Replicas were lost: the timer tells the gate who is present and,
+        unless it times it already, times the window open now from this
+        moment.
+
+        A push tells the timer of the window it opened once the store's
+        section is done, from the client's part of the replica's call. A
+        worker that dies in between cuts that call off: the window is open,
+        the others' pushes wait for its close, and the timer never heard of
+        it. Called from any thread; the timer's thread makes the calls.
+        """
+        self._opened.put((_RECHECK, 0.0, 0.0, None))
+
     def patience_for(self, opener_seconds: float, seconds: np.ndarray) -> float:
         """The patience of a window whose opener took `opener_seconds`
         from its read to its push: the median present replica's average
@@ -233,6 +251,15 @@ class WindowTimer:
                         deadline = time.time() + patience
                     else:
                         number = None  # Closed short, or closed meanwhile.
+                    continue
+                if opened[0] == _RECHECK:
+                    self._tell_present(self._present())
+                    # The window open now (the gate counts those taken).
+                    now = int(self.gate.windows.numpy())
+                    if number is None or now > number:
+                        number = now
+                        patience = self.patience_for(0.0, self.gate.shard_seconds.numpy())
+                        deadline = time.time() + patience
                     continue
                 if opened[0] < 0:
                     return
