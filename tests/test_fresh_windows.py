@@ -287,3 +287,64 @@ def test_a_window_whose_opening_was_never_told_is_timed_once_replicas_are_lost()
         assert int(gate.present.numpy()) == 1  # the lost replica no longer counts
     finally:
         timer.stop()
+
+
+def test_a_timer_started_while_it_stops_still_times_windows():
+    """TensorFlow's threads start the timer (a step's first shard) and stop
+    it (a drain in a graph), at times at once. Here a start comes while a
+    stop tells the reader to end (in the gate's queue): once both return,
+    the timer runs one reader and one timer thread, and closes a window
+    whose patience has run out."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    closed = []
+    closing = threading.Event()
+
+    def close_late(number, fill):
+        closed.append(number)
+        closing.set()
+        return 1, 0
+
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=lambda: [0, 1],
+        may_fill=lambda: False,
+        on_error=pytest.fail,
+    )
+    queue_of_gate = gate.opened
+    starting = []
+
+    class StartedMeanwhile:
+        """The gate's queue, but a start comes (from another thread) as the
+        stop puts the reader's end in it: the start runs through, or waits
+        for the stop, up to a second."""
+
+        def enqueue(self, values):
+            if not starting and int(values[0]) < 0:
+                starting.append(threading.Thread(target=timer.start, daemon=True))
+                starting[0].start()
+                starting[0].join(timeout=1.0)
+            return queue_of_gate.enqueue(values)
+
+        def __getattr__(self, name):
+            return getattr(queue_of_gate, name)
+
+    others = set(threading.enumerate())  # other tests' timers, in this process
+    timer.start()
+    gate.opened = StartedMeanwhile()
+    try:
+        timer.stop()
+        starting[0].join(timeout=30)
+        assert not starting[0].is_alive(), "the start never returned"
+        time.sleep(0.2)  # a thread told to end has ended by now
+        mine = [t for t in threading.enumerate() if t.name.startswith("tf_diffmap-windows")]
+        mine = sorted(t.name for t in mine if t not in others and t.is_alive())
+        assert mine == ["tf_diffmap-windows", "tf_diffmap-windows-read"]
+        past = time.time() - 10.0
+        gate.opened.enqueue([np.int64(5), past, past, np.zeros([2], np.float64)])
+        assert closing.wait(timeout=30), "the started timer never closed the window"
+        assert closed == [5]
+    finally:
+        gate.opened = queue_of_gate
+        timer.stop()

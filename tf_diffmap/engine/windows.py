@@ -24,6 +24,7 @@ shard takes a millisecond and one whose shard takes a second.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -99,6 +100,16 @@ the grid ran with it; other margins have not been compared there yet."""
 _RECHECK = -2
 
 
+@dataclasses.dataclass
+class _Running:
+    """The threads of one `WindowTimer.start`: the reader, then the timer;
+    what the reader hands the timer; whether they were told to end."""
+
+    stop: threading.Event
+    opened: queue.SimpleQueue
+    threads: list[threading.Thread] = dataclasses.field(default_factory=list)
+
+
 class WindowTimer:
     """Closes or fills an aggregation's windows once their patience runs out.
 
@@ -137,27 +148,39 @@ class WindowTimer:
         self._may_fill = may_fill
         self._on_error = on_error
         self._store_lost = store_lost
-        self._stop = threading.Event()
         self._told_present: int | None = None
-        self._threads: list[threading.Thread] = []
-        self._opened: queue.SimpleQueue = queue.SimpleQueue()
+        # The threads of the latest `start`, or None once stopped.
+        self._running: _Running | None = None
         self._lock = threading.Lock()
         # The patience of the latest window the timer read, in seconds.
         self.patience: float | None = None
 
     def start(self) -> None:
-        """Starts the timer's threads, unless they run."""
+        """Starts the timer's threads, unless they run.
+
+        `start` and `stop` come from TensorFlow's threads (a step's first
+        shard, a drain in a graph), at once at times: each start's threads
+        have their own queue and stop flag, and a start or stop holds the
+        lock until the reader it stops has ended, so that no reader takes
+        the end meant for another."""
         with self._lock:
-            if self._threads and all(t.is_alive() for t in self._threads):
+            running = self._running
+            if running is not None and all(t.is_alive() for t in running.threads):
                 return
-            self._stop.clear()
-            self._told_present = None
-            self._opened = queue.SimpleQueue()
-            self._threads = [
-                threading.Thread(target=self._read, name="tf_diffmap-windows-read", daemon=True),
-                threading.Thread(target=self._run, name="tf_diffmap-windows", daemon=True),
+            if running is not None:  # one of its threads ended on an error
+                self._end(running)
+            running = _Running(threading.Event(), queue.SimpleQueue())
+            running.threads = [
+                threading.Thread(
+                    target=self._read, args=(running,), name="tf_diffmap-windows-read", daemon=True
+                ),
+                threading.Thread(
+                    target=self._run, args=(running,), name="tf_diffmap-windows", daemon=True
+                ),
             ]
-            for thread in self._threads:
+            self._told_present = None
+            self._running = running
+            for thread in running.threads:
                 thread.start()
 
     def stop(self) -> None:
@@ -169,16 +192,20 @@ class WindowTimer:
         replica's is, and ends when the call does.
         """
         with self._lock:
-            threads, self._threads = self._threads, []
-        if not threads:
-            return
-        self._stop.set()
-        self.gate.opened.enqueue(self.gate.stop_event())
-        self._opened.put((-1, 0.0, 0.0, None))
-        reader, timer = threads
-        reader.join()
+            running, self._running = self._running, None
+            if running is None:
+                return
+            self._end(running)
         if not self._store_lost():
-            timer.join()
+            running.threads[1].join()
+
+    def _end(self, running: _Running) -> None:
+        """Tells `running`'s threads to end, and waits for its reader
+        (holding the lock)."""
+        running.stop.set()
+        self.gate.opened.enqueue(self.gate.stop_event())
+        running.opened.put((-1, 0.0, 0.0, None))
+        running.threads[0].join()
         # What the reader left, the sentinel included if it had stopped.
         while int(self.gate.opened.size()):
             self.gate.opened.dequeue()
@@ -194,7 +221,9 @@ class WindowTimer:
         the others' pushes wait for its close, and the timer never heard of
         it. Called from any thread; the timer's thread makes the calls.
         """
-        self._opened.put((_RECHECK, 0.0, 0.0, None))
+        running = self._running
+        if running is not None:
+            running.opened.put((_RECHECK, 0.0, 0.0, None))
 
     def patience_for(self, opener_seconds: float, seconds: np.ndarray) -> float:
         """The patience of a window whose opener took `opener_seconds`
@@ -213,21 +242,23 @@ class WindowTimer:
             self.gate.present.assign(len(present))
             self._told_present = len(present)
 
-    def _read(self) -> None:
+    def _read(self, running: _Running) -> None:
         """Hands each window opened on to the timer (blocks in the gate's
         queue, which no Python timeout can interrupt; the timer's own wait
         has one)."""
         try:
             while True:
                 number, read_time, push_time, seconds = self.gate.opened.dequeue()
-                self._opened.put((int(number), float(read_time), float(push_time), seconds.numpy()))
+                running.opened.put(
+                    (int(number), float(read_time), float(push_time), seconds.numpy())
+                )
                 if int(number) < 0:
                     return
         except BaseException as error:  # noqa: BLE001 - handed to the runtime
-            self._opened.put((-1, 0.0, 0.0, None))
-            self._failed(error)
+            running.opened.put((-1, 0.0, 0.0, None))
+            self._failed(running, error)
 
-    def _run(self) -> None:
+    def _run(self, running: _Running) -> None:
         """Keeps the latest window's deadline: windows open one at a time
         (the next only once this one is taken), so a window opened means
         every earlier one closed."""
@@ -242,7 +273,7 @@ class WindowTimer:
             while True:
                 timeout = None if number is None else max(deadline - time.time(), 0.0)
                 try:
-                    opened = self._opened.get(timeout=timeout)
+                    opened = running.opened.get(timeout=timeout)
                 except queue.Empty:
                     fill = self.policy == "fill" and self._may_fill()
                     pushes, released = self.aggregation.close_late(number, fill)
@@ -270,9 +301,9 @@ class WindowTimer:
                 self.patience = patience
                 deadline = read_time + patience
         except BaseException as error:  # noqa: BLE001 - handed to the runtime
-            self._failed(error)
+            self._failed(running, error)
 
-    def _failed(self, error: BaseException) -> None:
-        if not self._stop.is_set():
+    def _failed(self, running: _Running, error: BaseException) -> None:
+        if not running.stop.is_set():
             logger.debug("The window timer stopped on an error", exc_info=True)
             self._on_error(error)
