@@ -249,13 +249,10 @@ def test_the_window_timer_never_holds_the_training_thread_on_a_store_that_does_n
     assert int(gate.opened.size()) == 0
 
 
-def test_a_window_whose_opening_was_never_told_is_timed_once_replicas_are_lost():
-    """A push whose call is cut off (its worker died) after the store opened
-    its window never tells the timer: the runtime's `recheck` has the timer
-    time the window open now, and close it once its patience runs out, also
-    while it still times an older window."""
-    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
-    gate.shard_seconds.assign([0.05, 0.05])  # a patience of 0.1 s at margin 1
+def _recording_timer(gate: Gate, margin: float, present: list[int]):
+    """A window timer over `gate` whose store records each window it
+    closes: `(timer, closed, closing)`, the numbers closed, and an event
+    set at the first."""
     closed = []
     closing = threading.Event()
 
@@ -267,11 +264,22 @@ def test_a_window_whose_opening_was_never_told_is_timed_once_replicas_are_lost()
     timer = WindowTimer(
         SimpleNamespace(gate=gate, close_late=close_late),
         "close",
-        1.0,
-        present=lambda: [0],
+        margin,
+        present=lambda: present,
         may_fill=lambda: False,
         on_error=pytest.fail,
     )
+    return timer, closed, closing
+
+
+def test_a_window_whose_opening_was_never_told_is_timed_once_replicas_are_lost():
+    """A push whose call is cut off (its worker died) after the store opened
+    its window never tells the timer: the runtime's `recheck` has the timer
+    time the window open now, and close it once its patience runs out, also
+    while it still times an older window."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    gate.shard_seconds.assign([0.05, 0.05])  # a patience of 0.1 s at margin 1
+    timer, closed, closing = _recording_timer(gate, 1.0, [0])
     timer.start()
     try:
         # Window 2 opened and was told, with a patience far off; window 3
@@ -296,22 +304,7 @@ def test_a_timer_started_while_it_stops_still_times_windows():
     the timer runs one reader and one timer thread, and closes a window
     whose patience has run out."""
     gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
-    closed = []
-    closing = threading.Event()
-
-    def close_late(number, fill):
-        closed.append(number)
-        closing.set()
-        return 1, 0
-
-    timer = WindowTimer(
-        SimpleNamespace(gate=gate, close_late=close_late),
-        "close",
-        0.0,
-        present=lambda: [0, 1],
-        may_fill=lambda: False,
-        on_error=pytest.fail,
-    )
+    timer, closed, closing = _recording_timer(gate, 0.0, [0, 1])
     queue_of_gate = gate.opened
     starting = []
 
