@@ -341,3 +341,57 @@ def test_a_timer_started_while_it_stops_still_times_windows():
     finally:
         gate.opened = queue_of_gate
         timer.stop()
+
+
+def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
+    """On a cluster a call to the ps made as a worker dies or restarts can
+    fail naming the worker: the timer makes it again a patience later and
+    goes on, where any other error stops it (and ends training)."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    calls, errors = [], []
+    closing = threading.Event()
+    worker_lost = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 is gone")
+
+    def close_late(number, fill):
+        calls.append(number)
+        if len(calls) < 3:
+            raise worker_lost
+        closing.set()
+        return 1, 0
+
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=lambda: [0, 1],
+        may_fill=lambda: False,
+        on_error=errors.append,
+        transient=lambda error: error is worker_lost,
+    )
+    timer.start()
+    try:
+        past = time.time() - 10.0
+        gate.opened.enqueue([np.int64(4), past, past, np.zeros([2], np.float64)])
+        assert closing.wait(timeout=30), "the timer stopped at the failed call"
+        assert calls == [4, 4, 4] and errors == []
+    finally:
+        timer.stop()
+    # Any other error stops the timer, and is handed on.
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=lambda: [0, 1],
+        may_fill=lambda: False,
+        on_error=errors.append,
+    )
+    calls.clear()
+    timer.start()
+    try:
+        gate.opened.enqueue([np.int64(5), past, past, np.zeros([2], np.float64)])
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+        assert errors == [worker_lost] and calls == [5]
+    finally:
+        timer.stop()

@@ -533,6 +533,13 @@ class ClusterRecord(ReplicaRecord):
             return hung_ps_error(task, seconds)
         return None
 
+    def transient_store_error(self, error: BaseException) -> bool:
+        """Whether an error of a store call outside the replicas' loops (the
+        window timer's) reports a worker's loss, not the store's: made as a
+        worker dies or restarts, a call to the ps can fail naming it."""
+        fault = classify(error)
+        return fault is not None and fault.job == "worker" and not self.store_lost()
+
     def store_lost(self) -> bool:
         """Whether a ps task, and the variables on it, are lost."""
         return self.ps_lost is not None

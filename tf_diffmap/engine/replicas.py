@@ -161,6 +161,12 @@ class ReplicaRecord:
         the error itself."""
         return error
 
+    def transient_store_error(self, error: BaseException) -> bool:
+        """Whether an error of a call to the store made outside the loops
+        (the window timer's) reports a worker's loss, not the store's: the
+        call is made again. Never on one host."""
+        return False
+
     def store_lost(self) -> bool:
         """Whether the parameter store is lost (never on one host)."""
         return False

@@ -234,6 +234,7 @@ class Runtime(ReplicaMembers):
                     may_fill=lambda: any(feed.queued() for feed in self.feeds()),
                     on_error=self._timer_failed,
                     store_lost=self.record.store_lost,
+                    transient=self.record.transient_store_error,
                 )
         return aggregation
 

@@ -99,6 +99,14 @@ the grid ran with it; other margins have not been compared there yet."""
 # opened (the reader's end is -1).
 _RECHECK = -2
 
+# The least wait before a call that a worker's loss failed is made again:
+# a patience, but not a busy loop where the patience is near 0.
+_AGAIN_AFTER_SECONDS = 0.05
+
+
+def _again_after(patience: float) -> float:
+    return max(patience, _AGAIN_AFTER_SECONDS)
+
 
 @dataclasses.dataclass
 class _Running:
@@ -125,6 +133,10 @@ class WindowTimer:
             then stops; the error ends training as a replica's would).
         store_lost: whether the store is lost (a ps task that died or does
             not answer): then `stop` leaves the threads to their calls.
+        transient: whether an error of the timer's call to the store reports
+            a worker's loss, not the store's (on a cluster, a call made as a
+            worker dies or restarts can fail for that alone): the timer then
+            makes the call again, a patience later, instead of stopping.
 
     Every call the timer makes to the store runs on its own threads: one to
     a ps task that hangs holds them, never the training thread.
@@ -139,6 +151,7 @@ class WindowTimer:
         may_fill: Callable[[], bool],
         on_error: Callable[[BaseException], None],
         store_lost: Callable[[], bool] = lambda: False,
+        transient: Callable[[BaseException], bool] = lambda error: False,
     ):
         self.aggregation = aggregation
         self.gate = aggregation.gate
@@ -148,6 +161,7 @@ class WindowTimer:
         self._may_fill = may_fill
         self._on_error = on_error
         self._store_lost = store_lost
+        self._transient = transient
         self._told_present: int | None = None
         # The threads of the latest `start`, or None once stopped.
         self._running: _Running | None = None
@@ -237,10 +251,22 @@ class WindowTimer:
         return pace * (1.0 + self.margin)
 
     def _tell_present(self, present: list[int]) -> None:
-        """Tells the gate how many replicas are present, when it changed."""
+        """Tells the gate how many replicas are present, when it changed
+        (and, where a worker's loss failed the call, the next time)."""
         if len(present) != self._told_present:
-            self.gate.present.assign(len(present))
-            self._told_present = len(present)
+            if self._tried(self.gate.present.assign, len(present)) is not None:
+                self._told_present = len(present)
+
+    def _tried(self, call: Callable, *args):
+        """`call(*args)`, or None where it raised an error that a worker's
+        loss explains (`transient`): the caller makes the call again later."""
+        try:
+            return call(*args)
+        except BaseException as error:
+            if not self._transient(error):
+                raise
+            logger.debug("A window timer's call failed as a worker was lost", exc_info=True)
+            return None
 
     def _read(self, running: _Running) -> None:
         """Hands each window opened on to the timer (blocks in the gate's
@@ -276,7 +302,11 @@ class WindowTimer:
                     opened = running.opened.get(timeout=timeout)
                 except queue.Empty:
                     fill = self.policy == "fill" and self._may_fill()
-                    pushes, released = self.aggregation.close_late(number, fill)
+                    closed = self._tried(self.aggregation.close_late, number, fill)
+                    if closed is None:
+                        deadline = time.time() + _again_after(patience)
+                        continue
+                    pushes, released = closed
                     if released and not pushes:
                         # Filled: the released replicas take a shard time more.
                         deadline = time.time() + patience
@@ -286,10 +316,14 @@ class WindowTimer:
                 if opened[0] == _RECHECK:
                     self._tell_present(self._present())
                     # The window open now (the gate counts those taken).
-                    now = int(self.gate.windows.numpy())
-                    if number is None or now > number:
-                        number = now
-                        patience = self.patience_for(0.0, self.gate.shard_seconds.numpy())
+                    now = self._tried(self.gate.windows.numpy)
+                    seconds = self._tried(self.gate.shard_seconds.numpy)
+                    if now is None or seconds is None:
+                        time.sleep(_again_after(patience))
+                        running.opened.put(opened)  # looked at again
+                    elif number is None or int(now) > number:
+                        number = int(now)
+                        patience = self.patience_for(0.0, seconds)
                         deadline = time.time() + patience
                     continue
                 if opened[0] < 0:
