@@ -359,15 +359,18 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
         closing.set()
         return 1, 0
 
-    timer = WindowTimer(
-        SimpleNamespace(gate=gate, close_late=close_late),
-        "close",
-        0.0,
-        present=lambda: [0, 1],
-        may_fill=lambda: False,
-        on_error=errors.append,
-        transient=lambda error: error is worker_lost,
-    )
+    def timer_of(**transient):
+        return WindowTimer(
+            SimpleNamespace(gate=gate, close_late=close_late),
+            "close",
+            0.0,
+            present=lambda: [0, 1],
+            may_fill=lambda: False,
+            on_error=errors.append,
+            **transient,
+        )
+
+    timer = timer_of(transient=lambda error: error is worker_lost)
     timer.start()
     try:
         past = time.time() - 10.0
@@ -377,14 +380,7 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
     finally:
         timer.stop()
     # Any other error stops the timer, and is handed on.
-    timer = WindowTimer(
-        SimpleNamespace(gate=gate, close_late=close_late),
-        "close",
-        0.0,
-        present=lambda: [0, 1],
-        may_fill=lambda: False,
-        on_error=errors.append,
-    )
+    timer = timer_of()
     calls.clear()
     timer.start()
     try:
