@@ -202,6 +202,33 @@ def test_a_store_call_outside_the_loops_that_names_a_lost_ps_raises_the_lost_ps_
     assert replicas.ReplicaRecord([W0 + "/device:CPU:0"]).store_error(cause) is cause
 
 
+def test_a_store_call_outside_the_loops_is_made_again_unless_a_ps_is_lost():
+    """The window timer makes again a call that failed as a worker died or
+    restarted (naming it, or no task), never one that names a lost ps, and
+    none once the store is lost; on one host, none."""
+    record = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
+    worker = tf.errors.UnavailableError(
+        None,
+        None,
+        "failed to connect to all addresses\nAdditional GRPC error information from remote "
+        "target /job:worker/replica:0/task:1 while calling /tensorflow.eager.EagerService/Enqueue",
+    )
+    nameless = tf.errors.CancelledError(None, None, "Function was cancelled")
+    assert record.transient_store_error(worker)
+    assert record.transient_store_error(nameless)
+    assert not replicas.ReplicaRecord([W0 + "/device:CPU:0"]).transient_store_error(worker)
+    ps = tf.errors.UnavailableError(
+        None,
+        None,
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:0 while calling /tensorflow.eager.EagerService/Enqueue",
+    )
+    # The ps of this one-host test answers no probe: it is lost.
+    assert not record.transient_store_error(ps)
+    record.store_error(ps)
+    assert record.store_lost() and not record.transient_store_error(worker)
+
+
 def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
     """Keras re-raises what fit raises `from None`: `__cause__` is gone, the
     `runtime_error` attribute is not."""

@@ -249,7 +249,7 @@ def test_the_window_timer_never_holds_the_training_thread_on_a_store_that_does_n
     assert int(gate.opened.size()) == 0
 
 
-def _recording_timer(gate: Gate, margin: float, present: list[int]):
+def _recording_timer(gate: Gate, margin: float, present: list[int], **transient):
     """A window timer over `gate` whose store records each window it
     closes: `(timer, closed, closing)`, the numbers closed, and an event
     set at the first."""
@@ -268,6 +268,7 @@ def _recording_timer(gate: Gate, margin: float, present: list[int]):
         present=lambda: present,
         may_fill=lambda: False,
         on_error=pytest.fail,
+        **transient,
     )
     return timer, closed, closing
 
@@ -389,5 +390,37 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
         while not errors and time.time() < deadline:
             time.sleep(0.05)
         assert errors == [worker_lost] and calls == [5]
+    finally:
+        timer.stop()
+
+
+def test_a_timer_goes_on_after_any_error_the_runtime_lets_pass(caplog):
+    """An error of the timer's own work (here its reading of a window's
+    patience) that the runtime lets pass leaves the timer running, with one
+    warning: a stopped timer would close no window again."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    timer, closed, closing = _recording_timer(
+        gate, 0.0, [0, 1], transient=lambda error: isinstance(error, tf.errors.CancelledError)
+    )
+    failures = []
+    patience_for = timer.patience_for
+
+    def fails_once(*args):
+        if not failures:
+            failures.append(True)
+            raise tf.errors.CancelledError(None, None, "cut off as a worker left")
+        return patience_for(*args)
+
+    timer.patience_for = fails_once
+    timer.start()
+    try:
+        past = time.time() - 10.0
+        with caplog.at_level("WARNING", logger="tf_diffmap"):
+            gate.opened.enqueue([np.int64(6), past, past, np.zeros([2], np.float64)])
+            gate.opened.enqueue([np.int64(7), past, past, np.zeros([2], np.float64)])
+            assert closing.wait(timeout=30), "the timer stopped at the error"
+        assert failures and closed == [7]
+        warned = [r for r in caplog.records if "window timer" in r.getMessage()]
+        assert len(warned) == 1 and "CancelledError" in warned[0].getMessage()
     finally:
         timer.stop()

@@ -535,10 +535,15 @@ class ClusterRecord(ReplicaRecord):
 
     def transient_store_error(self, error: BaseException) -> bool:
         """Whether an error of a store call outside the replicas' loops (the
-        window timer's) reports a worker's loss, not the store's: made as a
-        worker dies or restarts, a call to the ps can fail naming it."""
+        window timer's) may pass: any but a lost ps's. Made as a worker dies,
+        restarts or joins, a call to the ps can fail naming the worker, or
+        naming no task; the call is made again. A ps that is lost is found
+        by the replicas' own calls and by the stall probe, and then ends
+        training; the timer's calls fail for good only then."""
+        if self.store_lost():
+            return False
         fault = classify(error)
-        return fault is not None and fault.job == "worker" and not self.store_lost()
+        return fault is None or fault.job != "ps"
 
     def store_lost(self) -> bool:
         """Whether a ps task, and the variables on it, are lost."""

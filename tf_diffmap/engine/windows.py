@@ -133,10 +133,12 @@ class WindowTimer:
             then stops; the error ends training as a replica's would).
         store_lost: whether the store is lost (a ps task that died or does
             not answer): then `stop` leaves the threads to their calls.
-        transient: whether an error of the timer's call to the store reports
-            a worker's loss, not the store's (on a cluster, a call made as a
-            worker dies or restarts can fail for that alone): the timer then
-            makes the call again, a patience later, instead of stopping.
+        transient: whether an error of the timer's call to the store may
+            pass (on a cluster, a call made as a worker dies, restarts or
+            joins can fail for that alone; any error but a lost ps's): the
+            timer then makes the call again, a patience later, instead of
+            stopping. A stopped timer closes no window, and replicas that
+            wait for one would wait for ever.
 
     Every call the timer makes to the store runs on its own threads: one to
     a ps task that hangs holds them, never the training thread.
@@ -162,6 +164,8 @@ class WindowTimer:
         self._on_error = on_error
         self._store_lost = store_lost
         self._transient = transient
+        # Whether a failed call was logged as a warning (once per timer).
+        self._warned = False
         self._told_present: int | None = None
         # The threads of the latest `start`, or None once stopped.
         self._running: _Running | None = None
@@ -265,8 +269,23 @@ class WindowTimer:
         except BaseException as error:
             if not self._transient(error):
                 raise
-            logger.debug("A window timer's call failed as a worker was lost", exc_info=True)
+            self._passed(error)
             return None
+
+    def _passed(self, error: BaseException) -> None:
+        """Logs an error the timer goes on after: a warning the first time."""
+        if self._warned:
+            logger.debug("The window timer goes on after an error", exc_info=True)
+            return
+        self._warned = True
+        # The error's type only: its text names tasks, which the warnings
+        # about lost workers name already.
+        logger.warning(
+            "The window timer's call failed with %s (logged at DEBUG); it goes on, and "
+            "makes the call again a patience later.",
+            type(error).__name__,
+            exc_info=logger.isEnabledFor(logging.DEBUG),
+        )
 
     def _read(self, running: _Running) -> None:
         """Hands each window opened on to the timer (blocks in the gate's
@@ -297,43 +316,51 @@ class WindowTimer:
             # tells it again).
             self._tell_present(self._present())
             while True:
-                timeout = None if number is None else max(deadline - time.time(), 0.0)
                 try:
-                    opened = running.opened.get(timeout=timeout)
-                except queue.Empty:
-                    fill = self.policy == "fill" and self._may_fill()
-                    closed = self._tried(self.aggregation.close_late, number, fill)
-                    if closed is None:
-                        deadline = time.time() + _again_after(patience)
+                    timeout = None if number is None else max(deadline - time.time(), 0.0)
+                    try:
+                        opened = running.opened.get(timeout=timeout)
+                    except queue.Empty:
+                        fill = self.policy == "fill" and self._may_fill()
+                        closed = self._tried(self.aggregation.close_late, number, fill)
+                        if closed is None:
+                            deadline = time.time() + _again_after(patience)
+                            continue
+                        pushes, released = closed
+                        if released and not pushes:
+                            # Filled: the released replicas take a shard time more.
+                            deadline = time.time() + patience
+                        else:
+                            number = None  # Closed short, or closed meanwhile.
                         continue
-                    pushes, released = closed
-                    if released and not pushes:
-                        # Filled: the released replicas take a shard time more.
-                        deadline = time.time() + patience
-                    else:
-                        number = None  # Closed short, or closed meanwhile.
-                    continue
-                if opened[0] == _RECHECK:
-                    self._tell_present(self._present())
-                    # The window open now (the gate counts those taken).
-                    now = self._tried(self.gate.windows.numpy)
-                    seconds = self._tried(self.gate.shard_seconds.numpy)
-                    if now is None or seconds is None:
-                        time.sleep(_again_after(patience))
-                        running.opened.put(opened)  # looked at again
-                    elif number is None or int(now) > number:
-                        number = int(now)
-                        patience = self.patience_for(0.0, seconds)
-                        deadline = time.time() + patience
-                    continue
-                if opened[0] < 0:
-                    return
-                if number is not None and opened[0] <= number:
-                    continue  # Told late: a newer window is timed already.
-                number, read_time, push_time, seconds = opened
-                patience = self.patience_for(max(push_time - read_time, 0.0), seconds)
-                self.patience = patience
-                deadline = read_time + patience
+                    if opened[0] == _RECHECK:
+                        self._tell_present(self._present())
+                        # The window open now (the gate counts those taken).
+                        now = self._tried(self.gate.windows.numpy)
+                        seconds = self._tried(self.gate.shard_seconds.numpy)
+                        if now is None or seconds is None:
+                            time.sleep(_again_after(patience))
+                            running.opened.put(opened)  # looked at again
+                        elif number is None or int(now) > number:
+                            number = int(now)
+                            patience = self.patience_for(0.0, seconds)
+                            deadline = time.time() + patience
+                        continue
+                    if opened[0] < 0:
+                        return
+                    if number is not None and opened[0] <= number:
+                        continue  # Told late: a newer window is timed already.
+                    number, read_time, push_time, seconds = opened
+                    patience = self.patience_for(max(push_time - read_time, 0.0), seconds)
+                    self.patience = patience
+                    deadline = read_time + patience
+                except BaseException as error:
+                    # Any error the runtime lets pass (on a cluster, all but a
+                    # lost ps's): the timer goes on, as its windows need it.
+                    if running.stop.is_set() or not self._transient(error):
+                        raise
+                    self._passed(error)
+                    time.sleep(_again_after(patience))
         except BaseException as error:  # noqa: BLE001 - handed to the runtime
             self._failed(running, error)
 
