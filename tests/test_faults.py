@@ -182,15 +182,20 @@ def test_lost_ps_error_names_the_task_and_what_to_do():
     assert "/job:ps/replica:0/task:1" in str(error) and "BackupAndRestore" in str(error)
 
 
+def _remote_error(text: str, task: str) -> tf.errors.UnavailableError:
+    """An eager call's error from `task`, as gRPC reports it."""
+    return tf.errors.UnavailableError(
+        None,
+        None,
+        f"{text}\nAdditional GRPC error information from remote target {task} while "
+        "calling /tensorflow.eager.EagerService/Enqueue",
+    )
+
+
 def test_a_store_call_outside_the_loops_that_names_a_lost_ps_raises_the_lost_ps_error():
     """The window timer's calls to the store fail as a replica's would."""
     record = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
-    cause = tf.errors.UnavailableError(
-        None,
-        None,
-        "Socket closed\nAdditional GRPC error information from remote target "
-        "/job:ps/replica:0/task:0 while calling /tensorflow.eager.EagerService/Enqueue",
-    )
+    cause = _remote_error("Socket closed", "/job:ps/replica:0/task:0")
     # The ps of this one-host test answers no probe: it is lost.
     raised = record.store_error(cause)
     assert isinstance(raised, tf.errors.UnavailableError) and raised.__cause__ is cause
@@ -207,22 +212,12 @@ def test_a_store_call_outside_the_loops_is_made_again_unless_a_ps_is_lost():
     restarted (naming it, or no task), never one that names a lost ps, and
     none once the store is lost; on one host, none."""
     record = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
-    worker = tf.errors.UnavailableError(
-        None,
-        None,
-        "failed to connect to all addresses\nAdditional GRPC error information from remote "
-        "target /job:worker/replica:0/task:1 while calling /tensorflow.eager.EagerService/Enqueue",
-    )
+    worker = _remote_error("failed to connect to all addresses", "/job:worker/replica:0/task:1")
     nameless = tf.errors.CancelledError(None, None, "Function was cancelled")
     assert record.transient_store_error(worker)
     assert record.transient_store_error(nameless)
     assert not replicas.ReplicaRecord([W0 + "/device:CPU:0"]).transient_store_error(worker)
-    ps = tf.errors.UnavailableError(
-        None,
-        None,
-        "Socket closed\nAdditional GRPC error information from remote target "
-        "/job:ps/replica:0/task:0 while calling /tensorflow.eager.EagerService/Enqueue",
-    )
+    ps = _remote_error("Socket closed", "/job:ps/replica:0/task:0")
     # The ps of this one-host test answers no probe: it is lost.
     assert not record.transient_store_error(ps)
     record.store_error(ps)
