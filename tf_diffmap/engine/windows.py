@@ -99,8 +99,9 @@ the grid ran with it; other margins have not been compared there yet."""
 # opened (the reader's end is -1).
 _RECHECK = -2
 
-# The least wait before a call that a worker's loss failed is made again:
-# a patience, but not a busy loop where the patience is near 0.
+# The least wait before a call that failed with an error the runtime lets
+# pass is made again: a patience, but not a busy loop where the patience is
+# near 0.
 _AGAIN_AFTER_SECONDS = 0.05
 
 
