@@ -163,9 +163,7 @@ def measure(name: str, steps: int, profile_steps: int, out: Path, tapped: bool) 
         step_ms = 1000 * counted[long_][0] / long_
         # Each process' CPU per batch in the long fit (its start and last
         # drain included, as in its time).
-        cpu_ms = {
-            task: 1000 * (cpu_after[task] - cpu_before[task]) / long_ for task in processes
-        }
+        cpu_ms = {task: 1000 * (cpu_after[task] - cpu_before[task]) / long_ for task in processes}
         names = {pid: task for task, pid in pids.items()} | {os.getpid(): "chief"}
         calls = _per_step(counted[short][1], counted[long_][1], long_ - short, names)
         profile = None
