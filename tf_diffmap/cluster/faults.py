@@ -535,11 +535,12 @@ class ClusterRecord(ReplicaRecord):
 
     def transient_store_error(self, error: BaseException) -> bool:
         """Whether an error of a store call outside the replicas' loops (the
-        window timer's) may pass: any but a lost ps's. Made as a worker dies,
-        restarts or joins, a call to the ps can fail naming the worker, or
-        naming no task; the call is made again. A ps that is lost is found
-        by the replicas' own calls and by the stall probe, and then ends
-        training; the timer's calls fail for good only then."""
+        window timer's, or the read of a failed call's mark) may pass: any
+        but a lost ps's. Made as a worker dies, restarts or joins, a call to
+        the ps can fail naming the worker, or naming no task; the call is
+        made again. A ps that is lost is found by the replicas' own calls
+        and by the stall probe, and then ends training; these calls fail for
+        good only then."""
         if self.store_lost():
             return False
         fault = classify(error)
