@@ -361,7 +361,9 @@ def test_a_loop_call_cut_off_applies_each_token_at_most_once(cut, abandoned, mon
 
         monkeypatch.setattr(ShardChannel, "done", fail_then_done)
 
-    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
+    # No hang watch: a replica left waiting for a window nobody settles
+    # would wait until the test's timeout, not be rescued by the watch.
+    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"], worker_timeout=None)
     cut_off = cut_off_by_another_task(strategy, monkeypatch)
     with strategy.scope():
         model = keras.Sequential(layers)

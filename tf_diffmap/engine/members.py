@@ -55,8 +55,8 @@ class ReplicaMembers:
         raise NotImplementedError
 
     def recheck_windows(self) -> None:
-        """Replicas were lost: the window timers, which `Runtime` keeps,
-        look at the window open now."""
+        """A call was cut off or replicas were lost: the window timers,
+        which `Runtime` keeps, look at the window open now."""
         raise NotImplementedError
 
     def _new_record(self) -> ReplicaRecord:

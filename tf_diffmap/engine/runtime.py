@@ -297,8 +297,8 @@ class Runtime(ReplicaMembers):
         ]
 
     def recheck_windows(self) -> None:
-        """Replicas were lost: each window timer looks at the window open
-        now (`WindowTimer.recheck`)."""
+        """A replica's call was cut off, or replicas were lost: each window
+        timer looks at the window open now (`WindowTimer.recheck`)."""
         for timer in self.timers():
             timer.recheck()
 
@@ -453,13 +453,14 @@ class Runtime(ReplicaMembers):
         """
         state, raised = self.record.verdict(replica_id, error)
         if state != "failed":
-            if state == ReplicaState.LOST.value:
-                # A window its step had taken and not settled would hold the
-                # others' waits for ever.
-                for aggregation in self.aggregations():
-                    if aggregation.fresh:
-                        aggregation.settle_lost(replica_id)
-                self.recheck_windows()
+            # Lost or going on, its call has ended, cut off: a window its
+            # step had taken and not settled would hold the others' waits
+            # for ever, and a window it opened may never have been told to
+            # the timer.
+            for aggregation in self.aggregations():
+                if aggregation.fresh:
+                    aggregation.settle_cut_off(replica_id)
+            self.recheck_windows()
             return ReplicaState(state)
         with self._error_lock:
             if self._error is None:

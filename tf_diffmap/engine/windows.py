@@ -5,12 +5,12 @@ Where windows are fresh (`Strategy(max_step_staleness=0)`, see
 a TensorFlow queue's dequeue, until it closes. TensorFlow's queue ops have
 no timeout that works, so one thread on the host per aggregation keeps the
 time: the push that opens a window tells it (the gate's `opened` queue;
-where replicas were lost, the runtime has it look: `WindowTimer.recheck`),
-and if the window is still open when its patience has run out, the timer
-either closes it short (a step on the gradients that came, weighted by
-their examples: backup replicas) or fills it (lets as many blocked replicas
-go as the window lacks shards, to compute fresh gradients of the same
-parameters in their place). A straggler's gradient then arrives stale: it
+where a call was cut off or replicas were lost, the runtime has it look:
+`WindowTimer.recheck`), and if the window is still open when its patience
+has run out, the timer either closes it short (a step on the gradients that
+came, weighted by their examples: backup replicas) or fills it (lets as
+many blocked replicas go as the window lacks shards, to compute fresh
+gradients of the same parameters in their place). A straggler's gradient then arrives stale: it
 is dropped and counted, and its examples are counted as skipped.
 
 The patience comes from the replicas' own pace: a window opens when its
@@ -230,15 +230,16 @@ class WindowTimer:
             self.gate.opened.dequeue()
 
     def recheck(self) -> None:
-        """Replicas were lost: the timer tells the gate who is present and,
-        unless it times it already, times the window open now from this
-        moment.
+        """A replica's call was cut off, or replicas were lost: the timer
+        tells the gate who is present and, unless it times it already, times
+        the window open now from this moment.
 
         A push tells the timer of the window it opened once the store's
         section is done, from the client's part of the replica's call. A
-        worker that dies in between cuts that call off: the window is open,
-        the others' pushes wait for its close, and the timer never heard of
-        it. Called from any thread; the timer's thread makes the calls.
+        call cut off in between (its worker died, or another task's loss
+        ended it) leaves the window open, the others' pushes waiting for its
+        close, and the timer that never heard of it. Called from any thread;
+        the timer's thread makes the calls.
         """
         running = self._running
         if running is not None:

@@ -227,7 +227,7 @@ class Gate:
         """Under the mutex, once window `number`'s step is applied: counts it
         closed, and lets every replica blocked on it go (each replica that
         registered before this, so none waits for a window closed). Settling
-        a window twice changes nothing more (see `settle_lost`)."""
+        a window twice changes nothing more (see `settle_cut_off`)."""
         with tf.device(self.host):
             blocked = self.blocked.read_value()
             closed = tf.maximum(self.closed.read_value(), number + 1)
@@ -241,10 +241,10 @@ class Gate:
             with tf.control_dependencies([let_go]):
                 return tf.identity(blocked)
 
-    def settle_lost(self, replica_id: tf.Tensor) -> tf.Tensor:
+    def settle_cut_off(self, replica_id: tf.Tensor) -> tf.Tensor:
         """Under the mutex: if the window taken last is not settled and
-        replica `replica_id` took it, settles it (its replica's task was
-        lost before it could; the window's step may not have been applied).
+        replica `replica_id` took it, settles it (its replica's call was cut
+        off before it could; the window's step may not have been applied).
         Windows are taken one at a time (the next takes only pushes read
         after this one settled), so no other replica can settle it."""
         with tf.device(self.host):

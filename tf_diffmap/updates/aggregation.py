@@ -150,7 +150,7 @@ class Aggregation:
         self.penalties: dict | None = None
         self._flush_concrete = None
         self._close_concrete = None
-        self._settle_lost_concrete = None
+        self._settle_cut_off_concrete = None
 
     def _original_apply(self, grads, variables):
         """The optimizer's own `apply`, whatever replaces it on the instance."""
@@ -340,9 +340,9 @@ class Aggregation:
         def close(number, fill):
             return outside_replicas(lambda: self.accumulators.close_if_open(number, fill))
 
-        def settle_lost(replica_id):
+        def settle_cut_off(replica_id):
             gate = self.gate
-            return locked(gate.mutex, gate.host, lambda: (gate.settle_lost(replica_id), []))
+            return locked(gate.mutex, gate.host, lambda: (gate.settle_cut_off(replica_id), []))
 
         self._flush_concrete = tf.function(flush, autograph=False).get_concrete_function()
         if self.fresh:
@@ -350,8 +350,8 @@ class Aggregation:
                 tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.bool)
             )
             with tf.device(self.store.host):
-                self._settle_lost_concrete = tf.function(
-                    settle_lost, autograph=False
+                self._settle_cut_off_concrete = tf.function(
+                    settle_cut_off, autograph=False
                 ).get_concrete_function(tf.TensorSpec([], tf.int64))
 
     def pending(self) -> int:
@@ -370,18 +370,20 @@ class Aggregation:
             return 0
         return int(self._flush_concrete())
 
-    def settle_lost(self, replica_id: int) -> bool:
-        """A replica's task was lost: if it had taken the window taken last
-        and not settled it, settles it, so that the replicas waiting for it
-        go on (the window's step is lost with the task, as a window taken
-        by a lost worker is under asynchronous windows).
+    def settle_cut_off(self, replica_id: int) -> bool:
+        """A replica's call was cut off (its task was lost, or another
+        task's loss ended the call), and has ended: if it had taken the
+        window taken last and not settled it, settles it, so that the
+        replicas waiting for it go on (the window's step is lost with the
+        call, as a window taken by a lost worker is under asynchronous
+        windows).
 
         Returns:
             Whether a window was settled.
         """
-        if self._settle_lost_concrete is None:
+        if self._settle_cut_off_concrete is None:
             return False
-        return bool(self._settle_lost_concrete(tf.constant(replica_id, tf.int64)))
+        return bool(self._settle_cut_off_concrete(tf.constant(replica_id, tf.int64)))
 
     def prepare(self) -> None:
         """Runs the window timer's functions and reads once, with no effect,
@@ -390,7 +392,7 @@ class Aggregation:
         if self._close_concrete is None:
             return
         self.close_late(-1, False)
-        self.settle_lost(-2)
+        self.settle_cut_off(-2)
         self.gate.statistics()
 
     def close_late(self, number: int, fill: bool) -> tuple[int, int]:
