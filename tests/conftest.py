@@ -14,19 +14,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject's addopts): the slow tests run in one process.
-
-    They start clusters of processes and time the gaps between steps, with
-    margins measured one test at a time on this 2-core host; two at once
-    share the cores. The fast tests keep a worker per core.
-    """
-    expression = config.getoption("markexpr") or ""
-    if "slow" in expression and "not slow" not in expression:
-        return 0
-    return None
-
-
 def classification_data(n: int = 512, features: int = 8, seed: int = 0):
     """A small separable two-class problem."""
     rng = np.random.default_rng(seed)
