@@ -422,6 +422,31 @@ def test_a_token_whose_mark_is_not_read_at_first_is_read_again_not_lost(monkeypa
     strategy.shutdown()
 
 
+def test_a_store_call_after_a_cut_off_is_made_again_while_a_worker_is_named(monkeypatch):
+    """`Runtime.store_call` (the mark's read, the settling of a window a
+    cut-off call took) makes a call again while it fails with an error the
+    record lets pass (on a cluster, one naming a worker), and raises any
+    other at once (on one host, every error)."""
+    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
+    runtime = strategy.extended.runtime
+    calls = []
+
+    def fails_twice():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise _remote_error("Socket closed", "/job:worker/replica:0/task:2")
+        return 7
+
+    with pytest.raises(tf.errors.UnavailableError):
+        runtime.store_call(fails_twice)  # one host: made once
+    assert len(calls) == 1
+    calls.clear()
+    cluster = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
+    monkeypatch.setattr(runtime.record, "transient_store_error", cluster.transient_store_error)
+    assert runtime.store_call(fails_twice) == 7 and len(calls) == 3
+    strategy.shutdown()
+
+
 def test_a_claim_marked_and_cut_off_before_it_is_made_gets_its_version():
     strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"])
     store = strategy.extended.runtime.store

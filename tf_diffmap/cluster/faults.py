@@ -535,7 +535,7 @@ class ClusterRecord(ReplicaRecord):
 
     def transient_store_error(self, error: BaseException) -> bool:
         """Whether an error of a store call outside the replicas' loops (the
-        window timer's, or the read of a failed call's mark) may pass: any
+        window timer's, and those of `Runtime.store_call`) may pass: any
         but a lost ps's. Made as a worker dies, restarts or joins, a call to
         the ps can fail naming the worker, or naming no task; the call is
         made again. A ps that is lost is found by the replicas' own calls

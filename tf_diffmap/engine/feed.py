@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -34,7 +33,7 @@ from tf_diffmap.engine.replica_step import ReplicaStep, batch_size
 from tf_diffmap.engine.runtime import Runtime
 from tf_diffmap.engine.shards import split_in_graph, stack_in_graph, stackable
 from tf_diffmap.engine.threads import in_clean_thread
-from tf_diffmap.engine.workers import POLL_SECONDS, ReplicaLoops, ReplicaState
+from tf_diffmap.engine.workers import ReplicaLoops, ReplicaState
 
 __all__ = ["StepFeed"]
 
@@ -553,7 +552,6 @@ class StepFeed:
         if not stamp:
             return False
         store = self.runtime.store
-        record = self.runtime.record
         may_requeue = requeue and self.worker_input is not None
 
         def marked() -> bool:
@@ -571,13 +569,10 @@ class StepFeed:
             # lost at once, it can name the other) is made again. Any other
             # error (a lost ps's) ends training, and with the store lost
             # nothing is settled: the shard is not run again.
-            while True:
-                try:
-                    return store.cut_after_mark(replica_id)
-                except tf.errors.OpError as error:
-                    if not record.transient_store_error(error):
-                        return True
-                time.sleep(POLL_SECONDS)
+            try:
+                return self.runtime.store_call(lambda: store.cut_after_mark(replica_id))
+            except tf.errors.OpError:
+                return True
 
         fate = held_shard(store.steps_per_replica()[replica_id] >= stamp, marked, may_requeue)
         self.channel.release(replica_id, requeue=fate is HeldShard.REQUEUED)

@@ -163,9 +163,9 @@ class ReplicaRecord:
 
     def transient_store_error(self, error: BaseException) -> bool:
         """Whether an error of a call to the store made outside the loops
-        (the window timer's, or the read of a failed call's mark) reports a
-        worker's loss, not the store's: the call is made again. Never on
-        one host."""
+        (the window timer's, and those of `Runtime.store_call`: after a
+        call was cut off) reports a worker's loss, not the store's: the call
+        is made again. Never on one host."""
         return False
 
     def store_lost(self) -> bool:

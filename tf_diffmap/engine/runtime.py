@@ -17,7 +17,8 @@ the workers are imported where a cluster needs them).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import tensorflow as tf
@@ -27,7 +28,7 @@ from tf_diffmap.engine.guard import CollapseGuard
 from tf_diffmap.engine.members import ReplicaMembers
 from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
-from tf_diffmap.engine.workers import ReplicaState
+from tf_diffmap.engine.workers import POLL_SECONDS, ReplicaState
 from tf_diffmap.store.gate import Gate
 from tf_diffmap.store.parameter_store import ParameterStore
 from tf_diffmap.store.snapshots import CounterSnapshots
@@ -296,6 +297,20 @@ class Runtime(ReplicaMembers):
             if r not in absent and all(s[r] not in gone for s in states)
         ]
 
+    def store_call(self, call: Callable[[], object]) -> object:
+        """Makes a call to the store from outside the replicas' loops, and
+        makes it again while it fails with an error that reports a worker's
+        loss, not the store's (`ReplicaRecord.transient_store_error`: made
+        as a worker dies, a call to the ps can fail naming it, or naming
+        another lost at once). Any other error is raised."""
+        while True:
+            try:
+                return call()
+            except tf.errors.OpError as error:
+                if not self.record.transient_store_error(error):
+                    raise
+            time.sleep(POLL_SECONDS)
+
     def recheck_windows(self) -> None:
         """A replica's call was cut off, or replicas were lost: each window
         timer looks at the window open now (`WindowTimer.recheck`)."""
@@ -459,7 +474,7 @@ class Runtime(ReplicaMembers):
             # the timer.
             for aggregation in self.aggregations():
                 if aggregation.fresh:
-                    aggregation.settle_cut_off(replica_id)
+                    self.store_call(lambda a=aggregation: a.settle_cut_off(replica_id))
             self.recheck_windows()
             return ReplicaState(state)
         with self._error_lock:
