@@ -250,6 +250,7 @@ def test_the_runtime_s_details_survive_fit_s_traceback_filtering():
 # -- a shard whose loop call fails: applied once, abandoned, or run again -----
 
 from tf_diffmap.engine.loops import HeldShard, ShardChannel, held_shard  # noqa: E402
+from tf_diffmap.engine.workers import POLL_SECONDS  # noqa: E402
 from tf_diffmap.store.parameter_store import ParameterStore  # noqa: E402
 
 
@@ -444,6 +445,30 @@ def test_a_store_call_after_a_cut_off_is_made_again_while_a_worker_is_named(monk
     cluster = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
     monkeypatch.setattr(runtime.record, "transient_store_error", cluster.transient_store_error)
     assert runtime.store_call(fails_twice) == 7 and len(calls) == 3
+    strategy.shutdown()
+
+
+def test_a_store_call_that_fails_for_good_is_raised_after_worker_timeout(monkeypatch):
+    """A store call that the record lets pass is made again for at most
+    `worker_timeout` of failing (the bound of `Runtime.may_call_again`),
+    then its error is raised: a call that fails for good, naming no task,
+    is not made for ever. The window timer is given the same bound."""
+    strategy = tf_diffmap.Strategy(devices=["CPU:1", "CPU:2"], worker_timeout=0.5)
+    runtime = strategy.extended.runtime
+    cluster = faults.ClusterRecord([W0 + "/device:CPU:0"], on_back=lambda task, ids: None)
+    monkeypatch.setattr(runtime.record, "transient_store_error", cluster.transient_store_error)
+    calls = []
+
+    def always_fails():
+        calls.append(time.monotonic())
+        raise tf.errors.UnavailableError(None, None, "connection reset by peer")
+
+    with pytest.raises(tf.errors.UnavailableError, match="connection reset"):
+        runtime.store_call(always_fails)
+    assert len(calls) > 1 and calls[-1] - calls[0] >= 0.5 - POLL_SECONDS
+    now = time.monotonic()
+    lost = _remote_error("Socket closed", "/job:worker/replica:0/task:2")
+    assert runtime.may_call_again(lost, now) and not runtime.may_call_again(lost, now - 0.5)
     strategy.shutdown()
 
 

@@ -371,7 +371,7 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
             **transient,
         )
 
-    timer = timer_of(transient=lambda error: error is worker_lost)
+    timer = timer_of(transient=lambda error, since: error is worker_lost)
     timer.start()
     try:
         past = time.time() - 10.0
@@ -394,13 +394,58 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
         timer.stop()
 
 
+def test_a_timer_call_that_fails_for_good_is_not_made_again_past_the_bound():
+    """The timer makes a failing call again only while `transient` lets it
+    pass, told since when its calls fail: past the runtime's bound
+    (`Runtime.may_call_again`) the error stops the timer and is handed on,
+    where a call that fails for ever would have been made for ever."""
+    gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
+    calls, errors, told = [], [], []
+    no_task = tf.errors.UnavailableError(None, None, "connection reset by peer")
+
+    def close_late(number, fill):
+        calls.append(number)
+        raise no_task
+
+    def transient(error, failing_since):
+        told.append(failing_since)
+        return time.monotonic() - failing_since < 0.3
+
+    timer = WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=lambda: [0, 1],
+        may_fill=lambda: False,
+        on_error=errors.append,
+        transient=transient,
+    )
+    timer.start()
+    try:
+        past = time.time() - 10.0
+        gate.opened.enqueue([np.int64(4), past, past, np.zeros([2], np.float64)])
+        deadline = time.time() + 30
+        while not errors and time.time() < deadline:
+            time.sleep(0.05)
+        assert errors == [no_task], "the timer never gave up on a call that always fails"
+        # Made again a patience (at least 50 ms) later until the bound, told
+        # one start of the failing throughout.
+        assert len(calls) >= 3 and set(calls) == {4}
+        assert len(set(told)) == 1 and len(told) == len(calls)
+    finally:
+        timer.stop()
+
+
 def test_a_timer_goes_on_after_any_error_the_runtime_lets_pass(caplog):
     """An error of the timer's own work (here its reading of a window's
     patience) that the runtime lets pass leaves the timer running, with one
     warning: a stopped timer would close no window again."""
     gate = Gate("/job:localhost/replica:0/task:0/device:CPU:0", 2)
     timer, closed, closing = _recording_timer(
-        gate, 0.0, [0, 1], transient=lambda error: isinstance(error, tf.errors.CancelledError)
+        gate,
+        0.0,
+        [0, 1],
+        transient=lambda error, since: isinstance(error, tf.errors.CancelledError),
     )
     failures = []
     patience_for = timer.patience_for

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tf_diffmap.devices import inter_op_threads, local_cpu
 from tf_diffmap.engine.guard import CollapseGuard
 from tf_diffmap.engine.members import ReplicaMembers
+from tf_diffmap.engine.replicas import WORKER_TIMEOUT
 from tf_diffmap.engine.threads import in_clean_thread
 from tf_diffmap.engine.windows import LATE_SHARDS, LATE_WINDOW, PATIENCE_MARGIN, WindowTimer
 from tf_diffmap.engine.workers import POLL_SECONDS, ReplicaState
@@ -235,7 +236,7 @@ class Runtime(ReplicaMembers):
                     may_fill=lambda: any(feed.queued() for feed in self.feeds()),
                     on_error=self._timer_failed,
                     store_lost=self.record.store_lost,
-                    transient=self.record.transient_store_error,
+                    transient=self.may_call_again,
                 )
         return aggregation
 
@@ -299,17 +300,32 @@ class Runtime(ReplicaMembers):
 
     def store_call(self, call: Callable[[], object]) -> object:
         """Makes a call to the store from outside the replicas' loops, and
-        makes it again while it fails with an error that reports a worker's
-        loss, not the store's (`ReplicaRecord.transient_store_error`: made
-        as a worker dies, a call to the ps can fail naming it, or naming
-        another lost at once). Any other error is raised."""
+        makes it again while `may_call_again` lets its error pass (made as a
+        worker dies, a call to the ps can fail naming it, or naming another
+        lost at once). Any other error is raised."""
+        failing_since = None
         while True:
             try:
                 return call()
             except tf.errors.OpError as error:
-                if not self.record.transient_store_error(error):
+                failing_since = failing_since or time.monotonic()
+                if not self.may_call_again(error, failing_since):
                     raise
             time.sleep(POLL_SECONDS)
+
+    def may_call_again(self, error: BaseException, failing_since: float) -> bool:
+        """Whether a store call made outside the replicas' loops (the window
+        timer's, `store_call`'s), failing with `error` since `failing_since`
+        (`time.monotonic()`), is made again: while the record lets the error
+        pass (`ReplicaRecord.transient_store_error`: on a cluster any but a
+        lost ps's; on one host none), for at most `worker_timeout` of
+        failing (`WORKER_TIMEOUT` where it is None). A worker's loss,
+        restart or join settles within that; a call that fails for longer
+        fails for good, and its error ends training."""
+        limit = WORKER_TIMEOUT if self.worker_timeout is None else self.worker_timeout
+        if time.monotonic() - failing_since >= limit:
+            return False
+        return self.record.transient_store_error(error)
 
     def recheck_windows(self) -> None:
         """A replica's call was cut off, or replicas were lost: each window

@@ -134,12 +134,14 @@ class WindowTimer:
             then stops; the error ends training as a replica's would).
         store_lost: whether the store is lost (a ps task that died or does
             not answer): then `stop` leaves the threads to their calls.
-        transient: whether an error of the timer's call to the store may
-            pass (on a cluster, a call made as a worker dies, restarts or
-            joins can fail for that alone; any error but a lost ps's): the
-            timer then makes the call again, a patience later, instead of
-            stopping. A stopped timer closes no window, and replicas that
-            wait for one would wait for ever.
+        transient: `(error, failing_since) -> bool`, whether an error of
+            the timer's call to the store, whose calls have failed since
+            `failing_since` (`time.monotonic()`), may pass (on a cluster, a
+            call made as a worker dies, restarts or joins can fail for that
+            alone; `Runtime.may_call_again`): the timer then makes the call
+            again, a patience later, instead of stopping. A stopped timer
+            closes no window, and replicas that wait for one would wait
+            until the window's last push came.
 
     Every call the timer makes to the store runs on its own threads: one to
     a ps task that hangs holds them, never the training thread.
@@ -154,7 +156,7 @@ class WindowTimer:
         may_fill: Callable[[], bool],
         on_error: Callable[[BaseException], None],
         store_lost: Callable[[], bool] = lambda: False,
-        transient: Callable[[BaseException], bool] = lambda error: False,
+        transient: Callable[[BaseException, float], bool] = lambda error, since: False,
     ):
         self.aggregation = aggregation
         self.gate = aggregation.gate
@@ -167,6 +169,8 @@ class WindowTimer:
         self._transient = transient
         # Whether a failed call was logged as a warning (once per timer).
         self._warned = False
+        # When the calls let pass began to fail (None: the last one did not).
+        self._failing_since: float | None = None
         self._told_present: int | None = None
         # The threads of the latest `start`, or None once stopped.
         self._running: _Running | None = None
@@ -267,12 +271,21 @@ class WindowTimer:
         """`call(*args)`, or None where it raised an error that a worker's
         loss explains (`transient`): the caller makes the call again later."""
         try:
-            return call(*args)
+            result = call(*args)
         except BaseException as error:
-            if not self._transient(error):
+            if not self._lets_pass(error):
                 raise
             self._passed(error)
             return None
+        self._failing_since = None
+        return result
+
+    def _lets_pass(self, error: BaseException) -> bool:
+        """Whether the timer goes on after `error` (`transient`, told how
+        long its calls have failed)."""
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+        return self._transient(error, self._failing_since)
 
     def _passed(self, error: BaseException) -> None:
         """Logs an error the timer goes on after: a warning the first time."""
@@ -326,6 +339,7 @@ class WindowTimer:
                         fill = self.policy == "fill" and self._may_fill()
                         # An error the runtime lets pass: made again below.
                         pushes, released = self.aggregation.close_late(number, fill)
+                        self._failing_since = None
                         if released and not pushes:
                             # Filled: the released replicas take a shard time more.
                             deadline = time.time() + patience
@@ -356,7 +370,7 @@ class WindowTimer:
                 except BaseException as error:
                     # Any error the runtime lets pass (on a cluster, all but a
                     # lost ps's): the timer goes on, as its windows need it.
-                    if running.stop.is_set() or not self._transient(error):
+                    if running.stop.is_set() or not self._lets_pass(error):
                         raise
                     self._passed(error)
                     time.sleep(_again_after(patience))
