@@ -212,7 +212,9 @@ IDLE_RACE_SCRIPT = textwrap.dedent(
     tf_diffmap.split_devices(4, "CPU")
     # The idle monitor looks every 10 ms and stops the loops after 20 ms
     # without a shard put or applied; the steps pause for 15 to 40 ms every
-    # fifth step, so that idle stops meet arriving steps.
+    # fifth step, so that idle stops meet arriving steps, and for 0.3 s every
+    # hundredth, so that some stops end in a drained mark even on a busy
+    # host (one run beside the other slow tests had every stop meet a step).
     workers.POLL_SECONDS, workers.IDLE_SECONDS = 0.002, 0.02
     marks = []
     stop_if_idle = feed.StepFeed.stop_if_idle
@@ -224,7 +226,9 @@ IDLE_RACE_SCRIPT = textwrap.dedent(
 
     class Pauses(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch % 5 == 0:
+            if batch % 100 == 50:
+                time.sleep(0.3)
+            elif batch % 5 == 0:
                 time.sleep(random.uniform(0.015, 0.04))
 
     rng = np.random.default_rng(0)
