@@ -181,9 +181,12 @@ def test_local_cluster_starts_and_stops_exactly_its_processes():
         with cluster.LocalCluster(workers=2, ps=1) as local:
             pids = local.pids
             log_dir = local.log_dir
+            launcher = local.launcher_pid
             assert sorted(pids) == [("ps", 0), ("worker", 0), ("worker", 1)]
             assert len(set(pids.values())) == 3 and bystander.pid not in pids.values()
-            assert all(alive(pid) for pid in pids.values())
+            assert all(alive(pid) for pid in [*pids.values(), launcher])
+            # Each server is a session of its own, forked from the launcher.
+            assert all(os.getsid(pid) == pid for pid in pids.values())
             spec = local.cluster_spec
             assert sorted(spec) == ["chief", "ps", "worker"]
             assert all(accepts(a) for job in ("worker", "ps") for a in spec[job])
@@ -196,9 +199,10 @@ def test_local_cluster_starts_and_stops_exactly_its_processes():
             assert resolver.task_type == "chief" and resolver.task_id == 0
             assert resolver.master() == "grpc://" + spec["chief"][0]
             assert resolver.cluster_spec().as_dict() == spec
-        for pid in pids.values():
+        for pid in [*pids.values(), launcher]:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+        assert local.launcher_pid is None
         assert not log_dir.exists(), "a clean exit removes its temporary logs"
         assert bystander.poll() is None, "the cluster stopped a process it did not start"
     finally:

@@ -2,7 +2,9 @@
 
 `LocalCluster` starts one `python -m tf_diffmap.cluster` process per worker and
 ps task on free ports of 127.0.0.1, waits until each serves, and stops exactly
-the processes it started. The chief is not started: it is the process that
+the processes it started. The servers are forked from one launcher process
+that imported TensorFlow once (`launcher`): a start or restart does not pay
+TensorFlow's import again. The chief is not started: it is the process that
 uses `resolver()` (or `tf_config("chief", 0)`) and runs `model.fit`.
 `python -m tf_diffmap.cluster --local workers=2,ps=1` does the same in the
 foreground until Ctrl-C or SIGTERM (`run_local`, in `foreground`).
@@ -29,6 +31,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from tf_diffmap.cluster.launcher import Launcher, ServerProcess
+
 __all__ = ["LocalCluster", "chief_resolver", "free_ports"]
 
 SERVER_JOBS = ("worker", "ps")
@@ -41,7 +45,7 @@ class _Task:
     job: str
     index: int
     address: str
-    process: subprocess.Popen | None = None
+    process: ServerProcess | subprocess.Popen | None = None
     stdout_path: Path | None = None
     stderr_path: Path | None = None
     launches: int = 0
@@ -171,6 +175,9 @@ class LocalCluster:
         self._log_dir: Path | None = None
         self._state = "new"  # new -> started -> stopped
         self._failed = False
+        # The process the servers are forked from (None: not started, or
+        # no `os.fork` here, and each server is a process of its own).
+        self._launcher: Launcher | None = None
 
         counts = {"worker": workers, "ps": ps, "chief": 1 if chief else 0}
         ports = iter(free_ports(sum(counts.values()) + 1, host))
@@ -245,6 +252,13 @@ class LocalCluster:
         pids = {key: t.process.pid for key, t in self._tasks.items() if t.process is not None}
         pids.update({("worker", i): t.process.pid for i, t in self._joined.items()})
         return pids
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """The pid of the process the servers are forked from (None before
+        the first server starts, after `stop`, or where each server is a
+        process of its own)."""
+        return None if self._launcher is None else self._launcher.pid
 
     @property
     def log_dir(self) -> Path | None:
@@ -327,6 +341,9 @@ class LocalCluster:
         for task in [*self._tasks.values(), *self._joined.values()]:
             if task.process is not None and task.process.stdin is not None:
                 task.process.stdin.close()
+        if self._launcher is not None:
+            self._launcher.stop()
+            self._launcher = None
         if self._given_log_dir is None and not self._failed and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
 
@@ -486,7 +503,7 @@ class LocalCluster:
         stem = name + (f".{task.launches}" if task.launches > 1 else "")
         task.stdout_path = self._log_dir / f"{stem}.out"
         task.stderr_path = self._log_dir / f"{stem}.err"
-        command = [sys.executable, "-m", "tf_diffmap.cluster", "--exit-when-stdin-closes"]
+        command = ["--exit-when-stdin-closes"]
         if task.job == "worker" and self._cpus_per_worker > 1:
             command += ["--logical-cpus", str(self._cpus_per_worker)]
         if task.job == "worker" and self.elastic:
@@ -507,15 +524,31 @@ class LocalCluster:
         else:  # a worker that asks the chief for its slot (at its address again, if restarted)
             env.pop("TF_CONFIG", None)
             command += ["--address", task.address]
+        if hasattr(os, "fork"):
+            task.process = self._running_launcher(env).start(
+                command, env, task.stdout_path, task.stderr_path, self._start_timeout
+            )
+            return
         with open(task.stdout_path, "wb") as out, open(task.stderr_path, "wb") as err:
             task.process = subprocess.Popen(
-                command,
+                [sys.executable, "-m", "tf_diffmap.cluster", *command],
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=err,
                 env=env,
                 start_new_session=True,
             )
+
+    def _running_launcher(self, env: Mapping[str, str]) -> Launcher:
+        """The launcher the servers are forked from, started at the first
+        launch (and again if it exited), with the servers' environment but
+        a task's own (`TF_CONFIG`)."""
+        if self._launcher is None or self._launcher.process.poll() is not None:
+            if self._launcher is not None:
+                self._launcher.stop()
+            common = {k: v for k, v in env.items() if k != "TF_CONFIG"}
+            self._launcher = Launcher(common, self._log_dir / "launcher.err")
+        return self._launcher
 
     def _serving(self, task: _Task) -> bool:
         if task.stdout_path is None or not task.stdout_path.exists():

@@ -1,0 +1,85 @@
+"""The launcher: servers forked from a process that imported TensorFlow once.
+
+Each forked server must behave as `python -m tf_diffmap.cluster` started by
+`subprocess.Popen` did: its arguments, environment, session, output files
+and standard input its own; its exit status (a signal's negative) reported;
+and the launcher gone once stopped. Slow: it starts processes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tf_diffmap.cluster.launcher import Launcher
+from tf_diffmap.cluster.local import free_ports
+
+pytestmark = pytest.mark.slow
+
+
+def _config(port: int) -> str:
+    return json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{port}"]}, "task": {"type": "worker", "index": 0}}
+    )
+
+
+def _serving(path, timeout=120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if '"serving"' in text:
+            return text
+        time.sleep(0.05)
+    raise AssertionError(f"no serving line in {path}: {text!r}")
+
+
+def test_forked_servers_are_processes_of_their_own_with_their_exit_reported(tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    launcher = Launcher(env, tmp_path / "launcher.err")
+    try:
+        # A wrong argument: the command line's own error and status (2).
+        wrong = launcher.start(
+            ["--logical-cpus", "0"], env, tmp_path / "w.out", tmp_path / "w.err", 60
+        )
+        assert wrong.wait(timeout=60) == 2
+        assert "--logical-cpus needs N >= 1" in (tmp_path / "w.err").read_text()
+
+        first, second = free_ports(2)
+        servers = []
+        for name, port in (("a", first), ("b", second)):
+            task_env = {**env, "TF_CONFIG": _config(port)}
+            servers.append(
+                launcher.start(
+                    ["--exit-when-stdin-closes"],
+                    task_env,
+                    tmp_path / f"{name}.out",
+                    tmp_path / f"{name}.err",
+                    60,
+                )
+            )
+        a, b = servers
+        for name, port, server in zip("ab", (first, second), servers):
+            text = _serving(tmp_path / f"{name}.out")
+            # Each serves its own TF_CONFIG's task (its environment's).
+            line = json.loads(text.splitlines()[-1])
+            assert line["serving"] == "worker" and line["target"].endswith(f":{port}")
+            assert server.poll() is None and os.getsid(server.pid) == server.pid
+        assert a.pid != b.pid != launcher.pid
+        # A signal's status is its negative, as Popen.returncode.
+        a.kill()
+        assert a.wait(timeout=60) == -signal.SIGKILL and a.poll() == -signal.SIGKILL
+        a.kill()  # an exited server is not signalled again
+        # The end of its standard input ends the other, cleanly.
+        with pytest.raises(subprocess.TimeoutExpired):
+            b.wait(timeout=0.2)
+        b.stdin.close()
+        assert b.wait(timeout=60) == 0
+        assert "Standard input closed" in (tmp_path / "b.err").read_text()
+    finally:
+        launcher.stop()
+    assert launcher.process.poll() is not None
+    with pytest.raises(RuntimeError, match="launcher"):
+        launcher.start(["--help"], env, tmp_path / "h.out", tmp_path / "h.err", 5)

@@ -1,0 +1,298 @@
+"""Server processes forked from one that imported TensorFlow once.
+
+Importing TensorFlow costs a new process about 4.5 s of CPU (its native
+library loads and links): more than starting and connecting a server. A
+`LocalCluster` of two workers and a ps spent most of its start there, on
+every core at once, and each restart of a killed task paid it again. So a
+`LocalCluster` starts one *launcher* process (`python -m
+tf_diffmap.cluster.launcher`), which imports TensorFlow and the command
+line's modules once, before any TensorFlow runtime, thread pool or
+connection exists, and then forks each server: a fork starts with
+TensorFlow loaded.
+
+A server started so is still a process of its own, as `python -m
+tf_diffmap.cluster ARGS` would be: a session of its own (a Ctrl-C meant for
+the chief does not reach it), its environment, its output in its log files,
+and a standard input (a pipe whose write end the starting process holds)
+that ends when that process closes it or dies. `ServerProcess` gives the
+part of `subprocess.Popen`'s interface that `LocalCluster` uses: the pid,
+`poll`, `wait`, the signals, and `stdin.close()`. The launcher reports each
+server's exit; it ends when the process that started it closes its socket
+(`Launcher.stop`) or dies. Where `os.fork` does not exist, servers are
+started by `subprocess.Popen` instead.
+
+The launcher and the process that started it speak over a Unix socket of
+datagrams in sequence (`SOCK_SEQPACKET`): a request is one JSON message
+with the server's standard input passed beside it (`socket.send_fds`); an
+answer is `{"id", "pid"}` (started) or `{"pid", "exit"}` (its exit status,
+negative for a signal, as `Popen.returncode`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["Launcher", "ServerProcess"]
+
+_MESSAGE_BYTES = 1 << 20
+# How often the launcher looks for servers that exited, between requests.
+_REAP_SECONDS = 0.05
+
+
+class ServerProcess:
+    """A server the launcher forked, with the part of `subprocess.Popen`'s
+    interface that `LocalCluster` uses."""
+
+    def __init__(self, pid: int, stdin):
+        self.pid = pid
+        self.stdin = stdin
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def _exit(self, code: int) -> None:
+        self.returncode = code
+        self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"tf_diffmap server {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Launcher:
+    """A launcher process, and the servers it forked for this process.
+
+    Args:
+        env: the launcher's environment (the servers' but for what each
+            request adds): TensorFlow reads some of it as it loads.
+        stderr: where the launcher writes its own errors.
+    """
+
+    def __init__(self, env: Mapping[str, str], stderr: Path):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(stderr, "wb") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tf_diffmap.cluster.launcher", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=dict(env),
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+            )
+        theirs.close()
+        self._socket = ours
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._started: dict[int, tuple[threading.Event, list]] = {}
+        self._servers: dict[int, ServerProcess] = {}
+        # Exits reported before the start's answer was read.
+        self._early_exits: dict[int, int] = {}
+        self._reader = threading.Thread(target=self._read, name="tf_diffmap-launcher", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout: Path,
+        stderr: Path,
+        timeout: float,
+    ) -> ServerProcess:
+        """Forks `python -m tf_diffmap.cluster ARGV` with environment `env`,
+        its output in `stdout` and `stderr`.
+
+        Raises:
+            RuntimeError: the launcher exited (the end of its stderr says
+                why), or did not answer within `timeout` seconds.
+        """
+        read_end, write_end = os.pipe()
+        started = threading.Event()
+        answer: list = []
+        with self._lock:
+            number = next(self._ids)
+            self._started[number] = (started, answer)
+        request = {
+            "id": number,
+            "argv": list(argv),
+            "env": dict(env),
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+        }
+        try:
+            socket.send_fds(self._socket, [json.dumps(request).encode()], [read_end])
+        except OSError as error:
+            os.close(write_end)
+            raise RuntimeError(f"The server launcher (pid {self.pid}) is gone: {error}") from None
+        finally:
+            os.close(read_end)
+        if not started.wait(timeout) or not answer:
+            os.close(write_end)
+            raise RuntimeError(
+                f"The server launcher (pid {self.pid}) did not start a server within "
+                f"{timeout:g} s (exit status {self.process.poll()})."
+            )
+        server = ServerProcess(answer[0], open(write_end, "wb", buffering=0))  # noqa: SIM115
+        with self._lock:
+            self._servers[server.pid] = server
+            early = self._early_exits.pop(server.pid, None)
+        if early is not None:
+            server._exit(early)
+        return server
+
+    def stop(self) -> None:
+        """Ends the launcher (it forks no more); the servers it forked are
+        the caller's to stop, and end with their standard input."""
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(timeout=30)
+
+    def _read(self) -> None:
+        """Hands each answer to the start that waits for it, and each exit to
+        its server."""
+        while True:
+            try:
+                message = self._socket.recv(_MESSAGE_BYTES)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            answer = json.loads(message)
+            with self._lock:
+                if "id" in answer:
+                    started, slot = self._started.pop(answer["id"])
+                    slot.append(answer["pid"])
+                    started.set()
+                    continue
+                server = self._servers.pop(answer["pid"], None)
+                if server is None:
+                    self._early_exits[answer["pid"]] = answer["exit"]
+            if server is not None:
+                server._exit(answer["exit"])
+        # The launcher is gone: no start is answered now.
+        with self._lock:
+            waiting, self._started = list(self._started.values()), {}
+        for started, _ in waiting:
+            started.set()
+
+
+# -- in the launcher process ---------------------------------------------------
+
+
+def _exit_status(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _serve_forked(request: dict, stdin: int) -> None:
+    """In a forked server: its session, environment, output and input,
+    then `python -m tf_diffmap.cluster ARGV`. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for path, fd in ((request["stdout"], 1), (request["stderr"], 2)):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        from tf_diffmap.cluster.cli import main
+
+        sys.argv = ["python -m tf_diffmap.cluster", *request["argv"]]
+        code = main(request["argv"])
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+        if not isinstance(error.code, int) and error.code is not None:
+            print(error.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed, as the interpreter would
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001, S110 - the process ends either way
+                pass
+        os._exit(code)
+
+
+def _launcher_main(fd: int) -> None:
+    """Forks a server per request on socket `fd`, and reports each start
+    and exit, until the socket closes."""
+    # What every server needs, loaded once (TensorFlow with them).
+    import tf_diffmap.cluster.cli  # noqa: F401
+    import tf_diffmap.cluster.member  # noqa: F401
+    import tf_diffmap.cluster.server  # noqa: F401
+
+    channel = socket.socket(fileno=fd)
+    children: set[int] = set()
+    selector = selectors.DefaultSelector()
+    selector.register(channel, selectors.EVENT_READ)
+
+    def reap() -> None:
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                channel.send(json.dumps({"pid": pid, "exit": _exit_status(status)}).encode())
+
+    while True:
+        if selector.select(_REAP_SECONDS):
+            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 1)
+            if not message:
+                break  # the process that started the launcher is done with it
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                channel.close()
+                _serve_forked(request, fds[0])
+            os.close(fds[0])
+            children.add(pid)
+            channel.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+        reap()
+
+
+if __name__ == "__main__":
+    _launcher_main(int(sys.argv[1]))
