@@ -115,8 +115,12 @@ CHIEF = textwrap.dedent(
         if scenario == "paused":
             os.kill(local.pids[("worker", 2)], signal.SIGCONT)  # resumed in any case
         time.sleep(1.5)  # the idle monitor's second
+        # Training's threads, not the LocalCluster's (its launcher's reader
+        # lives as long as the cluster).
         report["threads"] = [
-            t.name for t in threading.enumerate() if t.name.startswith("tf_diffmap")
+            t.name
+            for t in threading.enumerate()
+            if t.name.startswith("tf_diffmap") and t.name != "tf_diffmap-launcher"
         ]
         if scenario not in ("ps",):
             stats = strategy.statistics()

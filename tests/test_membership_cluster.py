@@ -126,7 +126,8 @@ CHIEF = textwrap.dedent(
         time.sleep(1.5)  # the idle monitor's second
         report["threads"] = [
             t.name for t in threading.enumerate()
-            if t.name.startswith("tf_diffmap") and t.name != "tf_diffmap-membership"
+            if t.name.startswith("tf_diffmap")
+            and t.name not in ("tf_diffmap-membership", "tf_diffmap-launcher")
         ]
         stats = strategy.statistics()
         report["version"] = strategy.version
