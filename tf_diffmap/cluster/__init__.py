@@ -24,7 +24,8 @@ or `LocalCluster` start the worker and ps processes.
 
 Its modules: `connect` (the client: `connect`, `strategy_for_cluster`),
 `server` (`serve`), `cli` (`main`, the command line, and `parse_local_spec`), `local`
-(`LocalCluster`), `foreground` (`run_local`: `--local`), `supervisor`
+(`LocalCluster`), `launcher` (its servers, forked from one process that
+imported TensorFlow), `foreground` (`run_local`: `--local`), `supervisor`
 (`--local`'s restarts), `faults` (lost tasks and their replicas:
 `ClusterRecord`), `inputs` (input built on the workers: `WorkerInput`),
 `membership` (workers that join and leave a running cluster:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -238,10 +239,11 @@ def _serve_forked(request: dict, stdin: int) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        from tf_diffmap.cluster.cli import main
-
+        # What `python -m tf_diffmap.cluster ARGV` runs, which ends in
+        # `sys.exit` with the command line's status.
         sys.argv = ["python -m tf_diffmap.cluster", *request["argv"]]
-        code = main(request["argv"])
+        runpy.run_module("tf_diffmap.cluster", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as error:
         code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
         if not isinstance(error.code, int) and error.code is not None:
@@ -260,8 +262,8 @@ def _serve_forked(request: dict, stdin: int) -> None:
 def _launcher_main(fd: int) -> None:
     """Forks a server per request on socket `fd`, and reports each start
     and exit, until the socket closes."""
-    # What every server needs, loaded once (TensorFlow with them).
-    import tf_diffmap.cluster.cli  # noqa: F401
+    # What every server needs, loaded once (TensorFlow with them); the
+    # command line itself reads its arguments before it imports these.
     import tf_diffmap.cluster.member  # noqa: F401
     import tf_diffmap.cluster.server  # noqa: F401
 
@@ -277,21 +279,24 @@ def _launcher_main(fd: int) -> None:
                 children.discard(pid)
                 channel.send(json.dumps({"pid": pid, "exit": _exit_status(status)}).encode())
 
-    while True:
-        if selector.select(_REAP_SECONDS):
-            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 1)
-            if not message:
-                break  # the process that started the launcher is done with it
-            request = json.loads(message)
-            pid = os.fork()
-            if pid == 0:
-                selector.close()
-                channel.close()
-                _serve_forked(request, fds[0])
-            os.close(fds[0])
-            children.add(pid)
-            channel.send(json.dumps({"id": request["id"], "pid": pid}).encode())
-        reap()
+    try:
+        while True:
+            if selector.select(_REAP_SECONDS):
+                message, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 1)
+                if not message:
+                    return  # the process that started the launcher is done with it
+                request = json.loads(message)
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    channel.close()
+                    _serve_forked(request, fds[0])
+                os.close(fds[0])
+                children.add(pid)
+                channel.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+            reap()
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the process that started the launcher is gone
 
 
 if __name__ == "__main__":
