@@ -63,9 +63,7 @@ CHIEF = textwrap.dedent(
         class Membership(keras.callbacks.Callback):
             epochs_joined = None
             left_at = None
-
-            def on_train_begin(self, logs=None):
-                threading.Thread(target=join, daemon=True).start()
+            joining = False
 
             def on_train_batch_end(self, batch, logs=None):
                 step_ends.append(time.monotonic())
@@ -75,6 +73,12 @@ CHIEF = textwrap.dedent(
                     # a task is down), and before the new worker serves.
                     local.kill("worker", 1)
                     event("killed", worker=1, joined=dict(joined))
+                if not self.joining and strategy.version > 0:
+                    # Started once updates land: a worker forked from the
+                    # launcher serves in about a second, before the first
+                    # batch's step would end.
+                    self.joining = True
+                    threading.Thread(target=join, daemon=True).start()
                 states = membership.states()
                 if self.epochs_joined is None:
                     if states[2] != "member":

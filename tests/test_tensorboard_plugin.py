@@ -710,7 +710,16 @@ def test_runs_and_series_match_the_strategy(served):
     assert [step for step, _ in body["optimizer_steps"]] == trained.steps
     assert body["optimizer_steps"][-1][1] == stats.steps
     assert {metadata.STEP_MEAN, metadata.STEP_MAX} <= set(body["series"])
-    assert [s for s, _ in body["series"][metadata.STEP_MEAN]["all"]] == trained.steps
+    # A point where the interval had pushes (applied or dropped): on a busy
+    # host an interval of two batches can end before any of its shards lands
+    # (one run beside the other slow tests had step 4 without).
+    pushed = {s: v for s, v in updates["all"]}
+    for r in range(REPLICAS):
+        for s, v in dropped[str(r)]:
+            pushed[s] = pushed.get(s, 0) + v
+    with_pushes = [s for s in trained.steps if pushed.get(s, 0) > 0]
+    assert len(with_pushes) > len(trained.steps) // 2, pushed
+    assert [s for s, _ in body["series"][metadata.STEP_MEAN]["all"]] == with_pushes
     # One replica: each gradient is a step, and only versions are written.
     one = server.get_json("data/plugin/staleness/series?run=one/staleness")
     assert one["optimizer_steps"] == [] and metadata.STEP_MEAN not in one["series"]
