@@ -293,6 +293,7 @@ def test_a_server_that_does_not_serve_in_time_is_a_timeout_and_is_stopped(tmp_pa
     with pytest.raises(TimeoutError, match="did not start serving within 0.2 s"):
         local.start()
     assert wait_gone(list(local.pids.values()), 1) == []
+    assert local.launcher_pid is None  # stopped with the cluster
     with pytest.raises(RuntimeError, match="starts once"):
         local.start()
 

@@ -344,6 +344,26 @@ def test_a_timer_started_while_it_stops_still_times_windows():
         timer.stop()
 
 
+def _timer_over(gate: Gate, close_late, errors: list, **transient) -> WindowTimer:
+    """A window timer (close short, margin 0, two replicas present) over
+    `gate`, whose store's call is `close_late`; its errors go to `errors`."""
+    return WindowTimer(
+        SimpleNamespace(gate=gate, close_late=close_late),
+        "close",
+        0.0,
+        present=lambda: [0, 1],
+        may_fill=lambda: False,
+        on_error=errors.append,
+        **transient,
+    )
+
+
+def _until(condition, seconds: float = 30.0) -> None:
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
     """On a cluster a call to the ps made as a worker dies or restarts can
     fail naming the worker: the timer makes it again a patience later and
@@ -360,18 +380,7 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
         closing.set()
         return 1, 0
 
-    def timer_of(**transient):
-        return WindowTimer(
-            SimpleNamespace(gate=gate, close_late=close_late),
-            "close",
-            0.0,
-            present=lambda: [0, 1],
-            may_fill=lambda: False,
-            on_error=errors.append,
-            **transient,
-        )
-
-    timer = timer_of(transient=lambda error, since: error is worker_lost)
+    timer = _timer_over(gate, close_late, errors, transient=lambda e, since: e is worker_lost)
     timer.start()
     try:
         past = time.time() - 10.0
@@ -381,14 +390,12 @@ def test_a_timer_call_that_a_workers_loss_failed_is_made_again():
     finally:
         timer.stop()
     # Any other error stops the timer, and is handed on.
-    timer = timer_of()
+    timer = _timer_over(gate, close_late, errors)
     calls.clear()
     timer.start()
     try:
         gate.opened.enqueue([np.int64(5), past, past, np.zeros([2], np.float64)])
-        deadline = time.time() + 30
-        while not errors and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: errors)
         assert errors == [worker_lost] and calls == [5]
     finally:
         timer.stop()
@@ -411,22 +418,12 @@ def test_a_timer_call_that_fails_for_good_is_not_made_again_past_the_bound():
         told.append(failing_since)
         return time.monotonic() - failing_since < 0.3
 
-    timer = WindowTimer(
-        SimpleNamespace(gate=gate, close_late=close_late),
-        "close",
-        0.0,
-        present=lambda: [0, 1],
-        may_fill=lambda: False,
-        on_error=errors.append,
-        transient=transient,
-    )
+    timer = _timer_over(gate, close_late, errors, transient=transient)
     timer.start()
     try:
         past = time.time() - 10.0
         gate.opened.enqueue([np.int64(4), past, past, np.zeros([2], np.float64)])
-        deadline = time.time() + 30
-        while not errors and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: errors)
         assert errors == [no_task], "the timer never gave up on a call that always fails"
         # Made again a patience (at least 50 ms) later until the bound, told
         # one start of the failing throughout.

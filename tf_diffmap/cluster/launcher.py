@@ -132,8 +132,10 @@ class Launcher:
         its output in `stdout` and `stderr`.
 
         Raises:
-            RuntimeError: the launcher exited (the end of its stderr says
-                why), or did not answer within `timeout` seconds.
+            RuntimeError: the launcher exited.
+            TimeoutError: it did not fork the server within `timeout`
+                seconds (it imports TensorFlow first; a server forked
+                later finds its standard input closed, and ends).
         """
         read_end, write_end = os.pipe()
         started = threading.Event()
@@ -157,9 +159,13 @@ class Launcher:
             os.close(read_end)
         if not started.wait(timeout) or not answer:
             os.close(write_end)
-            raise RuntimeError(
-                f"The server launcher (pid {self.pid}) did not start a server within "
-                f"{timeout:g} s (exit status {self.process.poll()})."
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"The server launcher (pid {self.pid}) exited with code "
+                    f"{self.process.returncode} before it started a server."
+                )
+            raise TimeoutError(
+                f"The server launcher (pid {self.pid}) did not start a server within {timeout:g} s."
             )
         server = ServerProcess(answer[0], open(write_end, "wb", buffering=0))  # noqa: SIM115
         with self._lock:
@@ -171,14 +177,17 @@ class Launcher:
 
     def stop(self) -> None:
         """Ends the launcher (it forks no more); the servers it forked are
-        the caller's to stop, and end with their standard input."""
+        the caller's to stop, and end with their standard input. A launcher
+        that does not end within a second (it may still be importing
+        TensorFlow, and would read a request sent before) is killed: it
+        holds nothing of the servers'."""
         try:
             self._socket.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._socket.close()
         try:
-            self.process.wait(timeout=30)
+            self.process.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()

@@ -525,9 +525,17 @@ class LocalCluster:
             env.pop("TF_CONFIG", None)
             command += ["--address", task.address]
         if hasattr(os, "fork"):
-            task.process = self._running_launcher(env).start(
-                command, env, task.stdout_path, task.stderr_path, self._start_timeout
-            )
+            try:
+                task.process = self._running_launcher(env).start(
+                    command, env, task.stdout_path, task.stderr_path, self._start_timeout
+                )
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{task.name} did not start serving within {self._start_timeout:g} s "
+                    "(the launcher it is forked from was still loading TensorFlow); raise "
+                    f"start_timeout on a busy machine. The launcher's stderr "
+                    f"({self._log_dir / 'launcher.err'}):\n{_tail(self._log_dir / 'launcher.err')}"
+                ) from None
             return
         with open(task.stdout_path, "wb") as out, open(task.stderr_path, "wb") as err:
             task.process = subprocess.Popen(
