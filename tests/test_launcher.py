@@ -83,3 +83,29 @@ def test_forked_servers_are_processes_of_their_own_with_their_exit_reported(tmp_
     assert launcher.process.poll() is not None
     with pytest.raises(RuntimeError, match="launcher"):
         launcher.start(["--help"], env, tmp_path / "h.out", tmp_path / "h.err", 5)
+
+
+def test_a_server_whose_launcher_was_killed_is_still_stopped_and_waited_for(tmp_path):
+    """Killed, the launcher reports no exit: a server it forked counts as
+    exited once its pid is gone, so that stopping it never waits for ever."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    launcher = Launcher(env, tmp_path / "launcher.err")
+    try:
+        (port,) = free_ports(1)
+        server = launcher.start(
+            ["--exit-when-stdin-closes"],
+            {**env, "TF_CONFIG": _config(port)},
+            tmp_path / "s.out",
+            tmp_path / "s.err",
+            60,
+        )
+        _serving(tmp_path / "s.out")
+        launcher.process.kill()
+        launcher.process.wait()
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.wait(timeout=0.3)  # still serving, orphaned
+        assert server.poll() is None
+        server.kill()
+        assert server.wait(timeout=60) == server.UNKNOWN_EXIT
+    finally:
+        launcher.stop()

@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,27 +52,61 @@ _MESSAGE_BYTES = 1 << 20
 _REAP_SECONDS = 0.05
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, which nobody has reaped yet, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return True  # no /proc here: the signal's answer stands
+
+
 class ServerProcess:
     """A server the launcher forked, with the part of `subprocess.Popen`'s
-    interface that `LocalCluster` uses."""
+    interface that `LocalCluster` uses.
+
+    Its exit status is the launcher's report. Where the launcher itself is
+    gone (killed), nothing reports it: the server counts as exited once its
+    pid is gone, with status `UNKNOWN_EXIT`.
+    """
+
+    UNKNOWN_EXIT = 1
 
     def __init__(self, pid: int, stdin):
         self.pid = pid
         self.stdin = stdin
         self.returncode: int | None = None
         self._exited = threading.Event()
+        self._orphaned = False
 
     def _exit(self, code: int) -> None:
         self.returncode = code
         self._exited.set()
 
+    def _orphan(self) -> None:
+        """The launcher is gone: the pid alone tells whether it runs."""
+        self._orphaned = True
+        self._exited.set()  # `wait` looks at the pid from now on
+
     def poll(self) -> int | None:
+        if self.returncode is None and self._orphaned and not _alive(self.pid):
+            self.returncode = self.UNKNOWN_EXIT
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(f"tf_diffmap server {self.pid}", timeout)
-        return self.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            self._exited.wait(left)
+            if self.poll() is not None:
+                return self.returncode
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"tf_diffmap server {self.pid}", timeout)
+            time.sleep(_REAP_SECONDS)  # orphaned: its pid is looked at again
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
@@ -113,6 +148,8 @@ class Launcher:
         self._servers: dict[int, ServerProcess] = {}
         # Exits reported before the start's answer was read.
         self._early_exits: dict[int, int] = {}
+        # Whether the launcher's socket ended (no exit is reported after).
+        self._gone = False
         self._reader = threading.Thread(target=self._read, name="tf_diffmap-launcher", daemon=True)
         self._reader.start()
 
@@ -171,8 +208,11 @@ class Launcher:
         with self._lock:
             self._servers[server.pid] = server
             early = self._early_exits.pop(server.pid, None)
+            gone = self._gone
         if early is not None:
             server._exit(early)
+        elif gone:
+            server._orphan()
         return server
 
     def stop(self) -> None:
@@ -215,11 +255,15 @@ class Launcher:
                     self._early_exits[answer["pid"]] = answer["exit"]
             if server is not None:
                 server._exit(answer["exit"])
-        # The launcher is gone: no start is answered now.
+        # The launcher is gone: no start is answered now, and no exit.
         with self._lock:
+            self._gone = True
             waiting, self._started = list(self._started.values()), {}
+            orphans = list(self._servers.values())
         for started, _ in waiting:
             started.set()
+        for server in orphans:
+            server._orphan()
 
 
 # -- in the launcher process ---------------------------------------------------
