@@ -196,6 +196,8 @@ class Launcher:
             os.close(read_end)
         if not started.wait(timeout) or not answer:
             os.close(write_end)
+            with self._lock:
+                self._started.pop(number, None)  # a late answer is dropped
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"The server launcher (pid {self.pid}) exited with code "
@@ -246,9 +248,11 @@ class Launcher:
             answer = json.loads(message)
             with self._lock:
                 if "id" in answer:
-                    started, slot = self._started.pop(answer["id"])
-                    slot.append(answer["pid"])
-                    started.set()
+                    waiting = self._started.pop(answer["id"], None)
+                    if waiting is not None:
+                        started, slot = waiting
+                        slot.append(answer["pid"])
+                        started.set()
                     continue
                 server = self._servers.pop(answer["pid"], None)
                 if server is None:
@@ -298,8 +302,9 @@ def _serve_forked(request: dict, stdin: int) -> None:
         runpy.run_module("tf_diffmap.cluster", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as error:
-        code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
-        if not isinstance(error.code, int) and error.code is not None:
+        if error.code is None or isinstance(error.code, int):
+            code = error.code or 0
+        else:  # a message, printed as the interpreter would, with status 1
             print(error.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - printed, as the interpreter would
         traceback.print_exc()
