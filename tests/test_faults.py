@@ -128,6 +128,21 @@ def test_an_error_naming_a_worker_and_the_ps_that_relayed_it_is_the_worker():
     assert faults.classify(error, answers=lambda task: task not in down).job == "ps"
 
 
+def test_a_probe_that_fails_with_another_task_s_error_does_not_say_its_task_is_down():
+    # An op for the ps, failing with the error of a worker that just died
+    # (as the runtime reports it on the client's next op).
+    relayed = tf.errors.UnavailableError(
+        None,
+        None,
+        "failed to connect to all addresses\nAdditional GRPC error information from remote "
+        "target /job:worker/replica:0/task:1 while calling /tensorflow.eager.EagerService/Enqueue",
+    )
+    assert not faults.says_down("/job:ps/replica:0/task:0", relayed)
+    assert faults.says_down("/job:worker/replica:0/task:1", relayed)
+    # An error that names no task is the probed task's own.
+    assert faults.says_down("/job:ps/replica:0/task:0", tf.errors.UnavailableError(None, None, "x"))
+
+
 W0 = "/job:worker/replica:0/task:0"
 
 

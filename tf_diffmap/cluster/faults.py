@@ -124,13 +124,30 @@ def unreachable(error: BaseException) -> bool:
 
 
 def task_answers(task: str) -> bool:
-    """Whether a task runs a tiny op now (fails at once when it is down)."""
+    """Whether a task runs a tiny op now (fails at once when it is down).
+
+    An op for one task can fail with another's error: the runtime reports,
+    on the next op of this client, a worker that just died under an earlier
+    one. Such a failure says nothing of this task, whose server is then
+    asked whether it accepts a connection (`serves`).
+    """
     try:
         with tf.device(f"{task}/device:CPU:0"):
             tf.identity(tf.constant(0)).numpy()
         return True
-    except (tf.errors.OpError, ValueError, RuntimeError):
-        return False
+    except (tf.errors.OpError, ValueError, RuntimeError) as error:
+        logger.debug("%s does not answer: %s", task, error)
+        if says_down(task, error):
+            return False
+    address = _tf_internal.cluster_addresses().get(task)
+    return address is not None and serves(address, PROBE_SECONDS)
+
+
+def says_down(task: str, error: BaseException) -> bool:
+    """Whether a probe's error is about `task` itself: it names that task,
+    or no task at all."""
+    named = named_tasks(error)
+    return not named or task in named
 
 
 def classify(error: BaseException, answers: Callable[[str], bool] = task_answers) -> Fault | None:
@@ -152,7 +169,9 @@ def classify(error: BaseException, answers: Callable[[str], bool] = task_answers
     tasks = [t for t in named_tasks(error) if not t.startswith("/job:chief")]
     if not tasks:
         return None
-    down = [t for t in tasks if not answers(t)]
+    # The ps first: a probe of a lost worker can make the next probe fail
+    # with that worker's error.
+    down = [t for t in sorted(tasks, key=lambda t: not t.startswith("/job:ps/")) if not answers(t)]
     for job in ("ps", "worker"):
         for task in down:
             if task.startswith(f"/job:{job}/"):
