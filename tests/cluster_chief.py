@@ -4,17 +4,25 @@ a test runs a chief.
 A chief is a script run in a process of its own (connecting makes a process
 the cluster's chief for good). `chief_env` gives it this folder on its
 path, so that it can `from cluster_chief import toy_task`; `run_chief_script`
-runs one and returns the JSON report its last line prints.
+runs one and returns the JSON report its last line prints. Chiefs are forked
+from a launcher that imported TensorFlow once: a chief's import of it
+(about 5 s of CPU) was the largest part of many cluster tests' cost.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from tf_diffmap.cluster.launcher import Launcher
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,24 +49,71 @@ def run_chief_script(
     with_stderr: bool = False,
 ) -> dict:
     """Runs `source` with `args` as a chief; returns the JSON of its last
-    line of output (with its standard error as `"stderr"` if asked)."""
+    line of output (with its standard error as `"stderr"` if asked).
+
+    The chief is a process of its own, forked from a launcher that imported
+    TensorFlow once for this test process (`tf_diffmap.cluster.launcher`),
+    as `python -c SOURCE ARGS` would run it otherwise; `timeout` counts
+    from the fork. Raises `subprocess.TimeoutExpired` for a chief killed at
+    its timeout.
+    """
+    number = next(_CHIEFS)
+    script = tmp_path / f"chief_{number}.py"
+    script.write_text(source)
+    out, err = tmp_path / f"chief_{number}.out", tmp_path / f"chief_{number}.err"
+    env = chief_env(tmp_path, log_level)
     try:
-        result = subprocess.run(
-            [sys.executable, "-c", source, *args],
-            env=chief_env(tmp_path, log_level),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        if hasattr(os, "fork"):
+            chief = _launcher(log_level).start(
+                [str(script), *args], env, out, err, timeout=_LAUNCHER_SECONDS, module="run_script"
+            )
+            chief.stdin.close()
+            try:
+                returncode = chief.wait(timeout)
+            except subprocess.TimeoutExpired:
+                chief.kill()
+                chief.wait()
+                raise
+        else:
+            with open(out, "wb") as stdout, open(err, "wb") as stderr:
+                returncode = subprocess.run(
+                    [sys.executable, str(script), *args],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    timeout=timeout,
+                ).returncode
     finally:
         # A chief that timed out was killed before it could resume a task it
         # paused: stopped, that task would never read the end of its input.
         resume_paused_tasks(tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    stdout, stderr = out.read_text(), err.read_text()
+    assert returncode == 0, stderr[-4000:]
+    report = json.loads(stdout.strip().splitlines()[-1])
     if with_stderr:
-        report["stderr"] = result.stderr
+        report["stderr"] = stderr
     return report
+
+
+_CHIEFS = itertools.count()
+# How long a launcher may take to fork a chief (it imports TensorFlow first).
+_LAUNCHER_SECONDS = 300.0
+_LAUNCHERS: dict[str, Launcher] = {}
+
+
+def _launcher(log_level: str) -> Launcher:
+    """This process' launcher of chiefs with TensorFlow's C++ logging at
+    `log_level` (read as TensorFlow loads), started at its first use and
+    stopped as the process exits."""
+    launcher = _LAUNCHERS.get(log_level)
+    if launcher is None or launcher.process.poll() is not None:
+        home = Path(tempfile.mkdtemp(prefix="tf_diffmap_chiefs_"))
+        launcher = Launcher(chief_env(home, log_level), home / "launcher.err")
+        _LAUNCHERS[log_level] = launcher
+        atexit.register(shutil.rmtree, home, ignore_errors=True)
+        atexit.register(launcher.stop)
+    return launcher
 
 
 def toy_task(strategy, examples: int, learning_rate: float = 0.05, metrics=()):

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,5 +108,45 @@ def test_a_server_whose_launcher_was_killed_is_still_stopped_and_waited_for(tmp_
         assert server.poll() is None
         server.kill()
         assert server.wait(timeout=60) == server.UNKNOWN_EXIT
+    finally:
+        launcher.stop()
+
+
+WAITS_FOR_A_SIGNAL = """
+import os, sys, tempfile, time
+print(sys.argv[1:], os.environ["WHO"], tempfile.gettempdir(), flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_another_module_is_forked_as_a_new_interpreter_would_run_it(tmp_path):
+    # The test suite's chiefs run so: `python -m run_script PATH ARGS`.
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_FOR_A_SIGNAL)
+    # This folder importable, for `run_script`.
+    tests = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
+    )
+    launcher = Launcher({**os.environ, "PYTHONPATH": tests}, tmp_path / "launcher.err")
+    try:
+        env = {**os.environ, "PYTHONPATH": tests, "WHO": "the request's", "TMPDIR": str(tmp_path)}
+        out = tmp_path / "waits.out"
+        process = launcher.start(
+            [str(script), "a", "b"], env, out, tmp_path / "waits.err", 120, module="run_script"
+        )
+        deadline = time.monotonic() + 120
+        while "the request's" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() < deadline, (tmp_path / "waits.err").read_text()
+            time.sleep(0.05)
+        # Its arguments, its environment, its own temporary folder.
+        assert out.read_text().splitlines()[0] == f"['a', 'b'] the request's {tmp_path}"
+        # Ctrl-C's signal raises KeyboardInterrupt, as in a new interpreter.
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 3
+        assert out.read_text().splitlines()[1] == "interrupted"
     finally:
         launcher.stop()

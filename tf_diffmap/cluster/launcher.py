@@ -19,7 +19,9 @@ part of `subprocess.Popen`'s interface that `LocalCluster` uses: the pid,
 `poll`, `wait`, the signals, and `stdin.close()`. The launcher reports each
 server's exit; it ends when the process that started it closes its socket
 (`Launcher.stop`) or dies. Where `os.fork` does not exist, servers are
-started by `subprocess.Popen` instead.
+started by `subprocess.Popen` instead. `Launcher.start` forks another
+module's command line the same way (`python -m MODULE ARGS`); the test
+suite runs its chief scripts so.
 
 The launcher and the process that started it speak over a Unix socket of
 datagrams in sequence (`SOCK_SEQPACKET`): a request is one JSON message
@@ -39,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -164,9 +167,10 @@ class Launcher:
         stdout: Path,
         stderr: Path,
         timeout: float,
+        module: str = "tf_diffmap.cluster",
     ) -> ServerProcess:
-        """Forks `python -m tf_diffmap.cluster ARGV` with environment `env`,
-        its output in `stdout` and `stderr`.
+        """Forks `python -m MODULE ARGV` (by default the server's command
+        line) with environment `env`, its output in `stdout` and `stderr`.
 
         Raises:
             RuntimeError: the launcher exited.
@@ -182,6 +186,7 @@ class Launcher:
             self._started[number] = (started, answer)
         request = {
             "id": number,
+            "module": module,
             "argv": list(argv),
             "env": dict(env),
             "stdout": str(stdout),
@@ -279,12 +284,13 @@ def _exit_status(status: int) -> int:
 
 def _serve_forked(request: dict, stdin: int) -> None:
     """In a forked server: its session, environment, output and input,
-    then `python -m tf_diffmap.cluster ARGV`. Never returns."""
+    then `python -m MODULE ARGV`. Never returns."""
     code = 1
     try:
         os.setsid()
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # its own TMPDIR, read again
         for path, fd in ((request["stdout"], 1), (request["stderr"], 2)):
             opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(opened, fd)
@@ -294,12 +300,15 @@ def _serve_forked(request: dict, stdin: int) -> None:
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        # The signals' handlers of a new interpreter.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        # What `python -m tf_diffmap.cluster ARGV` runs, which ends in
-        # `sys.exit` with the command line's status.
-        sys.argv = ["python -m tf_diffmap.cluster", *request["argv"]]
-        runpy.run_module("tf_diffmap.cluster", run_name="__main__", alter_sys=True)
+        # What `python -m MODULE ARGV` runs (the server's command line ends
+        # in `sys.exit` with its status).
+        module = request["module"]
+        sys.argv = [f"python -m {module}", *request["argv"]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as error:
         if error.code is None or isinstance(error.code, int):
