@@ -143,6 +143,32 @@ def test_a_probe_that_fails_with_another_task_s_error_does_not_say_its_task_is_d
     assert faults.says_down("/job:ps/replica:0/task:0", tf.errors.UnavailableError(None, None, "x"))
 
 
+@pytest.mark.parametrize(
+    "named, serving, answers",
+    [
+        ("worker/replica:0/task:1", True, True),
+        ("worker/replica:0/task:1", False, False),
+        ("ps/replica:0/task:0", True, False),
+    ],
+    ids=["another's error, serving", "another's error, not serving", "its own error"],
+)
+def test_a_probe_failing_with_another_task_s_error_asks_the_server(
+    monkeypatch, named, serving, answers
+):
+    ps = "/job:ps/replica:0/task:0"
+
+    def fails(_):
+        raise tf.errors.UnavailableError(None, None, f"Socket closed /job:{named}")
+
+    asked = []
+    monkeypatch.setattr(faults.tf, "constant", fails)
+    monkeypatch.setattr(faults._tf_internal, "cluster_addresses", lambda: {ps: "127.0.0.1:1"})
+    monkeypatch.setattr(faults, "serves", lambda address, timeout: asked.append(address) or serving)
+    assert faults.task_answers(ps) is answers
+    # Its own error is the answer: the server is not asked.
+    assert asked == ([] if named.startswith("ps") else ["127.0.0.1:1"])
+
+
 W0 = "/job:worker/replica:0/task:0"
 
 
