@@ -77,7 +77,7 @@ def run_chief_script(
         else:
             with open(out, "wb") as stdout, open(err, "wb") as stderr:
                 returncode = subprocess.run(
-                    [sys.executable, str(script), *args],
+                    [sys.executable, "-c", source, *args],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=stdout,
