@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -150,3 +151,70 @@ def test_another_module_is_forked_as_a_new_interpreter_would_run_it(tmp_path):
         assert out.read_text().splitlines()[1] == "interrupted"
     finally:
         launcher.stop()
+
+
+# A chief that starts its cluster before it builds anything: TensorFlow
+# imported, its runtime not started. `probe` is forked by the launcher.
+FORKS_ITS_LAUNCHER = """
+import json, os, select, sys
+from pathlib import Path
+import tensorflow as tf
+from tf_diffmap.cluster.launcher import Launcher, _ForkedLauncher
+
+out = Path(sys.argv[1])
+sys.path.insert(0, str(out))
+(out / "probe.py").write_text(
+    "import json, os, sys\\n"
+    "print(json.dumps({'tf_loaded': 'tensorflow' in sys.modules, 'sid': os.getsid(0),"
+    " 'pid': os.getpid(), 'who': os.environ.get('WHO'), 'stdin': sys.stdin.read()}))\\n"
+)
+# A pipe whose write end this process holds: the launcher must not keep it.
+read_end, write_end = os.pipe()
+launcher = Launcher(dict(os.environ, WHO="the launcher's"), out / "launcher.err")
+os.close(write_end)
+ended = bool(select.select([read_end], [], [], 30)[0]) and os.read(read_end, 1) == b""
+probe = launcher.start([], dict(os.environ, WHO="the probe's"), out / "p.out", out / "p.err", 60,
+                       module="probe")
+probe.stdin.close()
+code = probe.wait(timeout=60)
+report = {
+    "forked": isinstance(launcher.process, _ForkedLauncher),
+    "launcher_sid": os.getsid(launcher.pid) == launcher.pid,
+    "pipe_ended": ended,
+    "probe_exit": code,
+    "probe": json.loads((out / "p.out").read_text()),
+}
+launcher.stop()
+report["launcher_exit"] = launcher.process.returncode
+tf.constant(1.0)  # the runtime starts: a launcher is a new interpreter again
+second = Launcher(dict(os.environ), out / "second.err")
+report["second_forked"] = isinstance(second.process, _ForkedLauncher)
+second.stop()
+print(json.dumps(report))
+"""
+
+
+def test_a_process_that_has_not_started_tensorflow_forks_its_launcher(tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, "-c", FORKS_ITS_LAUNCHER, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    probe = report.pop("probe")
+    assert report == {
+        "forked": True,
+        "launcher_sid": True,
+        "pipe_ended": True,
+        "probe_exit": 0,
+        "launcher_exit": 0,
+        "second_forked": False,
+    }, (tmp_path / "launcher.err").read_text()
+    # Forked from the launcher, with TensorFlow loaded: a process and a
+    # session of its own, its own environment and standard input.
+    assert probe["tf_loaded"] and probe["sid"] == probe["pid"]
+    assert probe["who"] == "the probe's" and probe["stdin"] == ""

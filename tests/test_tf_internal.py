@@ -512,6 +512,13 @@ def test_a_client_connected_to_no_cluster_has_no_addresses():
     assert _tf_internal.cluster_addresses() == {}
 
 
+def test_whether_the_runtime_started_is_read_from_the_eager_context():
+    """`cluster.launcher` forks only where it has not (tests/test_launcher.py
+    runs a process where it has not: `import tensorflow` alone)."""
+    tf.constant(1.0)
+    assert _tf_internal.runtime_started()
+
+
 def test_the_store_version_counter_op_counts_up_to_its_limit():
     counter = tf.Variable(tf.constant(0, tf.int64))
     before = [

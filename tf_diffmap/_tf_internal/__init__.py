@@ -15,7 +15,7 @@ Modules, by job:
 * `checks`: the hooks and members relied on, and `check_compatibility`.
 * `distribute`: the strategy's base classes, per-replica values, XLA, `tf.summary` state, the
   functions a dataset holds, the eager context's cluster (read, renewed, a
-  task added or removed).
+  task added or removed), whether the runtime has started.
 * `variables`: the parameter store's variables (`StoreVariable`, the
   class a store variable is switched to) and the tape records of reads.
 * `row_reads`: reads of large tables by rows inside a replica step.
@@ -54,6 +54,7 @@ from tf_diffmap._tf_internal.distribute import (
     per_replica,
     reconnect_cluster,
     replica_values,
+    runtime_started,
     set_cluster_task,
 )
 from tf_diffmap._tf_internal.frames import user_stacklevel
@@ -147,6 +148,7 @@ __all__ = [
     "record_rows_read",
     "replica_tracing",
     "replica_values",
+    "runtime_started",
     "resolve_row_reads",
     "rewire_late_uses",
     "set_cluster_task",

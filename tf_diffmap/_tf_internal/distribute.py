@@ -5,8 +5,8 @@ subclass of `tf.distribute.Strategy` whose `StrategyExtended` overrides
 private hooks (listed in `checks.EXTENDED_HOOKS`). Besides the hooks, the
 strategy asks TensorFlow whether a graph is compiled by XLA, hands the
 caller's `tf.summary` state to the threads that trace replica steps, keeps
-a dataset's functions registered, and reads and renews the cluster the
-eager context is connected to.
+a dataset's functions registered, reads and renews the cluster the
+eager context is connected to, and tells whether the runtime has started.
 """
 
 from __future__ import annotations
@@ -92,6 +92,19 @@ def dataset_functions(dataset) -> list:
                 found.append(function)
         stack.extend(getattr(current, "_inputs", lambda: [])())
     return found
+
+
+def runtime_started() -> bool:
+    """Whether this process' eager runtime exists: its context made and
+    initialized (devices listed, thread pools made), or a server started.
+
+    Before that, importing TensorFlow has loaded code and made a few
+    threads of its own, and a fork of the process can start a runtime of
+    its own (`cluster.launcher`); after it, a fork would inherit a runtime
+    whose threads it does not have.
+    """
+    ctx = context.context_safe()
+    return ctx is not None and (ctx._initialized or ctx._context_handle is not None)  # noqa: SLF001
 
 
 def cluster_addresses() -> dict[str, str]:

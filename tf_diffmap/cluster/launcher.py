@@ -23,6 +23,15 @@ started by `subprocess.Popen` instead. `Launcher.start` forks another
 module's command line the same way (`python -m MODULE ARGS`); the test
 suite runs its chief scripts so.
 
+A process that has imported TensorFlow but not started its runtime (a
+chief that starts its `LocalCluster` before it builds anything, as the
+docs' chiefs do) forks the launcher itself rather than starting a new
+interpreter: the launcher then starts with TensorFlow loaded too. It is
+forked only while the process runs one Python thread, and where
+TensorFlow's variables (`TF_*`, which TensorFlow reads as it loads) are
+the launcher's; the fork takes a session of its own and lets go of every
+descriptor it inherited, as a new process would start.
+
 The launcher and the process that started it speak over a Unix socket of
 datagrams in sequence (`SOCK_SEQPACKET`): a request is one JSON message
 with the server's standard input passed beside it (`socket.send_fds`); an
@@ -45,6 +54,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -133,16 +143,21 @@ class Launcher:
 
     def __init__(self, env: Mapping[str, str], stderr: Path):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with open(stderr, "wb") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tf_diffmap.cluster.launcher", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=dict(env),
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
+        if _may_fork_here(env):
+            self.process: subprocess.Popen | _ForkedLauncher = _ForkedLauncher.fork(
+                theirs.fileno(), env, stderr
             )
+        else:
+            with open(stderr, "wb") as err:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "tf_diffmap.cluster.launcher", str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=dict(env),
+                    pass_fds=[theirs.fileno()],
+                    start_new_session=True,
+                )
         theirs.close()
         self._socket = ours
         self._lock = threading.Lock()
@@ -273,6 +288,125 @@ class Launcher:
             started.set()
         for server in orphans:
             server._orphan()
+
+
+def _may_fork_here(env: Mapping[str, str]) -> bool:
+    """Whether this process may fork the launcher rather than start one:
+    it has imported TensorFlow and not started its runtime, runs one
+    Python thread (a fork copies only the thread that forks, and a lock
+    another one held would stay held), and TensorFlow loaded with the
+    launcher's `TF_*` variables."""
+    if not hasattr(os, "fork") or not os.path.isdir(_OPEN_FDS):
+        return False
+    if "tensorflow" not in sys.modules or threading.active_count() != 1:
+        return False
+    loaded = {k: v for k, v in os.environ.items() if k.startswith("TF_") and k != "TF_CONFIG"}
+    wanted = {k: v for k, v in env.items() if k.startswith("TF_") and k != "TF_CONFIG"}
+    if loaded != wanted:
+        return False
+    from tf_diffmap import _tf_internal
+
+    return not _tf_internal.runtime_started()
+
+
+# The descriptors a process holds, one entry each (Linux).
+_OPEN_FDS = "/proc/self/fd"
+
+
+class _ForkedLauncher:
+    """A launcher forked from this process, with the part of
+    `subprocess.Popen`'s interface that `Launcher` uses (it is this
+    process' child: its exit status is its own to read)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def fork(cls, fd: int, env: Mapping[str, str], stderr: Path) -> _ForkedLauncher:
+        """Forks a launcher that reads its requests on socket `fd`, with
+        environment `env` and its errors written to `stderr`."""
+        inherited = [int(name) for name in os.listdir(_OPEN_FDS)]
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of a fork while TensorFlow's own threads
+            # (made as it loads) run; the launcher process forks so too.
+            warnings.filterwarnings(
+                "ignore", "This process .* is multi-threaded", DeprecationWarning
+            )
+            pid = os.fork()
+        if pid == 0:
+            _run_forked_launcher(fd, inherited, env, stderr)
+        return cls(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is lost
+                self.returncode = ServerProcess.UNKNOWN_EXIT
+                return self.returncode
+            if done:
+                self.returncode = _exit_status(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"tf_diffmap launcher {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _run_forked_launcher(
+    fd: int, inherited: Sequence[int], env: Mapping[str, str], stderr: Path
+) -> None:
+    """In a launcher forked from the process that uses it: what a new
+    process would start with (a session of its own, standard input and
+    output on the null device, its errors in `stderr`, its environment,
+    the interpreter's signal handlers), then the launcher. Every other
+    descriptor it inherited is pointed at the null device: what it held (a
+    pipe that another process reads to its end, a listening socket) is let
+    go, while its number stays taken, so that an object of the forking
+    process that closes it later closes nothing of the launcher's. Never
+    returns."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for number in inherited:
+            if number > 2 and number != fd:
+                try:
+                    os.dup2(null, number)
+                except OSError:
+                    pass  # closed since it was listed
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err, 2)
+        os.close(err)
+        os.close(null)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.clear()
+        os.environ.update(env)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        _launcher_main(fd)
+        code = 0
+    except BaseException:  # noqa: BLE001 - written where the launcher's errors go
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001, S110 - the process ends either way
+            pass
+        os._exit(code)
 
 
 # -- in the launcher process ---------------------------------------------------
