@@ -1,7 +1,7 @@
 """An epoch of a regularized recommender: plain Keras and tf_diffmap checkouts, side by side.
 
 `python -m benchmarks.regularized_recommender CHECKOUT [CHECKOUT ...]
-[--rounds N] [--epochs E] [--async-windows]` runs, every round, one fresh
+[--rounds N] [--epochs E] [--async-windows] [--ratings R]` runs, every round, one fresh
 process per checkout (a directory holding `tf_diffmap/`), in turn. Each
 process trains plain Keras and tf_diffmap side by side: after one untimed
 epoch of each (the first traces the functions) it times E epochs of each,
@@ -16,7 +16,8 @@ for Movie Recommendations") at the size of ml-latest-small: 610 users and
 a bias embedding of each, their dot product summed over the batch, as the
 example writes it (`tensordot(user, movie, 2)`), through a sigmoid; Adam
 (1e-3), binary cross-entropy, batch 64, 90,752 training ratings
-(synthetic, low-rank). tf_diffmap runs its defaults (fresh windows) on 4
+(synthetic, low-rank; `--ratings` draws fewer, as the test suite's run
+does, whose times then say nothing). tf_diffmap runs its defaults (fresh windows) on 4
 logical CPU devices, and with `--async-windows` asynchronous windows
 (`max_step_staleness=1`) too, a third model in the same process. It says
 what the regularizer's dense table gradients cost per step; it says
@@ -33,13 +34,13 @@ import sys
 _RUN = """
 import os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-checkout, modes, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+checkout, modes, epochs, RATINGS = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, checkout)
 import tf_diffmap
 tf_diffmap.split_devices(4, "CPU")
 import keras, numpy as np, tensorflow as tf
 
-USERS, MOVIES, RATINGS, WIDTH = 610, 9_724, 100_836, 50
+USERS, MOVIES, WIDTH = 610, 9_724, 50
 rng = np.random.default_rng(0)
 u, v = rng.normal(0, 0.5, (USERS, 4)), rng.normal(0, 0.5, (MOVIES, 4))
 popularity = 1.0 / np.arange(1, MOVIES + 1) ** 0.8
@@ -100,10 +101,14 @@ for index in range(epochs):
 MODES = {"fresh": "fresh windows (default)", "async": "asynchronous windows"}
 
 
-def one_run(checkout: str, modes: list[str], epochs: int) -> list[dict]:
+# The ratings of ml-latest-small, which the workload has the size of.
+RATINGS = 100_836
+
+
+def one_run(checkout: str, modes: list[str], epochs: int, ratings: int = RATINGS) -> list[dict]:
     """Per timed epoch pair, `{contender: (seconds, loss)}`, of one fresh process."""
     result = subprocess.run(
-        [sys.executable, "-c", _RUN, checkout, ",".join(modes), str(epochs)],
+        [sys.executable, "-c", _RUN, checkout, ",".join(modes), str(epochs), str(ratings)],
         capture_output=True,
         text=True,
         check=False,
@@ -131,16 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--async-windows", action="store_true", help="asynchronous windows too (bound 1)"
     )
+    parser.add_argument(
+        "--ratings",
+        type=int,
+        default=RATINGS,
+        help=f"ratings drawn, 90%% of them trained on (default {RATINGS:,}, ml-latest-small's)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.epochs < 1:
         parser.error("--rounds and --epochs must be at least 1")
+    if args.ratings < 640:
+        parser.error("--ratings must be at least 640 (ten batches of 64)")
     modes = ["fresh", "async"] if args.async_windows else ["fresh"]
     seconds: dict[tuple[str, str], list[float]] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
     for index in range(args.rounds):
         order = args.checkouts if index % 2 == 0 else args.checkouts[::-1]
         for checkout in order:
-            for pair in one_run(checkout, modes, args.epochs):
+            for pair in one_run(checkout, modes, args.epochs, args.ratings):
                 plain = pair["plain"][0]
                 for name, (took, _) in pair.items():
                     seconds.setdefault((checkout, name), []).append(took)

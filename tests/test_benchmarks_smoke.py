@@ -654,7 +654,10 @@ def test_the_regularized_recommender_prints_each_pair_and_the_ratios():
     """`benchmarks.regularized_recommender` times plain Keras and
     tf_diffmap epoch by epoch in one process and prints their ratio."""
     result = _benchmark(
-        "regularized_recommender", str(ROOT), "--rounds", "1", "--epochs", "1", timeout=600
+        "regularized_recommender",
+        str(ROOT),
+        *("--rounds", "1", "--epochs", "1", "--ratings", "8000"),
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
@@ -666,6 +669,8 @@ def test_the_regularized_recommender_prints_each_pair_and_the_ratios():
 def test_the_regularized_recommender_refuses_no_rounds():
     result = _benchmark("regularized_recommender", "a", "--rounds", "0", timeout=60)
     assert result.returncode == 2 and "must be at least 1" in result.stderr
+    result = _benchmark("regularized_recommender", "a", "--ratings", "100", timeout=60)
+    assert result.returncode == 2 and "--ratings must be at least 640" in result.stderr
 
 
 @pytest.mark.slow
