@@ -514,8 +514,14 @@ def test_a_client_connected_to_no_cluster_has_no_addresses():
 
 def test_whether_the_runtime_started_is_read_from_the_eager_context():
     """`cluster.launcher` forks only where it has not (tests/test_launcher.py
-    runs a process where it has not: `import tensorflow` alone)."""
+    runs a process where it has not: `import tensorflow` alone). Where the
+    members read move, `runtime_started` says True (nothing is forked):
+    this test fails instead."""
+    from tensorflow.python.eager import context
+
     tf.constant(1.0)
+    ctx = context.context_safe()
+    assert ctx._initialized is True and ctx._context_handle is not None
     assert _tf_internal.runtime_started()
 
 

@@ -221,14 +221,6 @@ def _cluster_problems() -> list[str]:
         problems.append("TensorFlow's eager context has no update_server_def")
     elif list(inspect.signature(update).parameters)[:2] != ["self", "server_def"]:
         problems.append("Context.update_server_def no longer takes a server_def first")
-    ctx = context.context()
-    if not callable(getattr(context, "context_safe", None)) or not all(
-        hasattr(ctx, name) for name in ("_initialized", "_context_handle")
-    ):
-        problems.append(
-            "TensorFlow's eager context no longer tells whether it is initialized "
-            "(context_safe, Context._initialized, Context._context_handle)"
-        )
     return problems
 
 

@@ -101,10 +101,18 @@ def runtime_started() -> bool:
     Before that, importing TensorFlow has loaded code and made a few
     threads of its own, and a fork of the process can start a runtime of
     its own (`cluster.launcher`); after it, a fork would inherit a runtime
-    whose threads it does not have.
+    whose threads it does not have. Where TensorFlow no longer says (its
+    context's members moved), True: nothing is forked, which costs time
+    only (tests/test_tf_internal.py fails on such a release).
     """
-    ctx = context.context_safe()
-    return ctx is not None and (ctx._initialized or ctx._context_handle is not None)  # noqa: SLF001
+    context_safe = getattr(context, "context_safe", None)
+    ctx = context_safe() if callable(context_safe) else None
+    if ctx is None:
+        return not callable(context_safe)
+    initialized = getattr(ctx, "_initialized", None)
+    if initialized is None or not hasattr(ctx, "_context_handle"):
+        return True
+    return bool(initialized) or ctx._context_handle is not None  # noqa: SLF001
 
 
 def cluster_addresses() -> dict[str, str]:
