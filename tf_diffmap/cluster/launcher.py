@@ -24,13 +24,13 @@ module's command line the same way (`python -m MODULE ARGS`); the test
 suite runs its chief scripts so.
 
 A process that has imported TensorFlow but not started its runtime (a
-chief that starts its `LocalCluster` before it builds anything, as the
-docs' chiefs do) forks the launcher itself rather than starting a new
-interpreter: the launcher then starts with TensorFlow loaded too. It is
-forked only while the process runs one Python thread, and where
-TensorFlow's variables (`TF_*`, which TensorFlow reads as it loads) are
-the launcher's; the fork takes a session of its own and lets go of every
-descriptor it inherited, as a new process would start.
+chief that starts its `LocalCluster` before it builds anything) forks the
+launcher itself rather than starting a new interpreter: the launcher then
+starts with TensorFlow loaded too. It is forked only while the process
+runs one Python thread, and where TensorFlow's variables (`TF_*`, which
+TensorFlow reads as it loads) are the launcher's; the fork takes a
+session of its own and lets go of every descriptor it inherited, as a new
+process would start.
 
 The launcher and the process that started it speak over a Unix socket of
 datagrams in sequence (`SOCK_SEQPACKET`): a request is one JSON message
@@ -380,7 +380,7 @@ def _run_forked_launcher(
         null = os.open(os.devnull, os.O_RDWR)
         err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         for number in inherited:
-            if number > 2 and number != fd:
+            if number > 2 and number not in (fd, null, err):
                 try:
                     os.dup2(null, number)
                 except OSError:
