@@ -160,6 +160,29 @@ def test_a_straggler_s_late_shards_are_requeued_and_trained_by_the_others():
     assert stats.overall_max_step_staleness == 0
 
 
+@pytest.mark.timeout(60)
+def test_a_drain_applies_the_window_a_replica_waits_on_without_the_timer():
+    """The last batch of each epoch has one example: its one shard opens a
+    window that no other push will fill, and its replica waits for that
+    window's close before it can take its STOP. With a patience no window
+    reaches (the timer never closes it), the epoch's drain applies it
+    itself: three epochs end in seconds, where each drain would wait 30 s
+    for the waiting replica's thread (the test's timeout)."""
+    strategy = tf_diffmap.Strategy(
+        devices=["CPU:1", "CPU:2"], patience_margin=1e9, worker_timeout=None
+    )
+    with strategy.scope():
+        model = mlp()
+        compile_logits(model, keras.optimizers.SGD(0.05))
+    x, y = classification_data(65)
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    windows = strategy.window_statistics()
+    # Per epoch: two full windows and the one-example window, applied.
+    assert windows.windows == 9 == int(model.optimizer.iterations.numpy())
+    assert windows.closed_short == 0 and windows.examples == 3 * 65
+    strategy.shutdown()
+
+
 def test_fresh_windows_refuse_what_contradicts_them():
     with pytest.raises(ValueError, match="late_window must be one of 'close', 'fill'"):
         tf_diffmap.Strategy(max_step_staleness=0, late_window="wait")

@@ -425,6 +425,16 @@ class Runtime(ReplicaMembers):
         for feed in self.feeds():
             if feed.running() or feed.in_flight():
                 feed.wait_idle(failed=lambda: self._error is not None)
+                # Nothing is queued or being applied: a fresh window still
+                # open holds every push it will get, and the replicas that
+                # pushed into it wait for its close before they can take
+                # their STOP. It is applied now, not at the window timer's
+                # patience (nor never, where a call cut off before it told
+                # the timer of the window).
+                if self._error is None and not self.record.store_lost():
+                    for aggregation in self.aggregations():
+                        if aggregation.fresh:
+                            aggregation.flush()
                 feed.stop()
                 feed.mark_drained()
                 drained = True
