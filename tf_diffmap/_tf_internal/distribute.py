@@ -96,7 +96,7 @@ def dataset_functions(dataset) -> list:
 
 def runtime_started() -> bool:
     """Whether this process' eager runtime exists: its context made and
-    initialized (devices listed, thread pools made), or a server started.
+    initialized (devices listed, thread pools made).
 
     Before that, importing TensorFlow has loaded code and made a few
     threads of its own, and a fork of the process can start a runtime of
