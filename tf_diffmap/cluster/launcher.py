@@ -363,7 +363,7 @@ class _ForkedLauncher:
 
 
 def _run_forked_launcher(
-    fd: int, inherited: Sequence[int], env: Mapping[str, str], stderr: Path
+    fd: int, inherited: Sequence[int], env: Mapping[str, str], stderr: Path | str
 ) -> None:
     """In a launcher forked from the process that uses it: what a new
     process would start with (a session of its own, standard input and
@@ -376,37 +376,20 @@ def _run_forked_launcher(
     returns."""
     code = 1
     try:
-        os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
-        err = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         for number in inherited:
-            if number > 2 and number not in (fd, null, err):
+            if number > 2 and number not in (fd, null):
                 try:
                     os.dup2(null, number)
                 except OSError:
                     pass  # closed since it was listed
-        os.dup2(null, 0)
-        os.dup2(null, 1)
-        os.dup2(err, 2)
-        os.close(err)
-        os.close(null)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update(env)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        _start_as_new_process(env, null, os.devnull, stderr)
         _launcher_main(fd)
         code = 0
     except BaseException:  # noqa: BLE001 - written where the launcher's errors go
         traceback.print_exc()
     finally:
-        try:
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001, S110 - the process ends either way
-            pass
-        os._exit(code)
+        _end(code)
 
 
 # -- in the launcher process ---------------------------------------------------
@@ -421,23 +404,7 @@ def _serve_forked(request: dict, stdin: int) -> None:
     then `python -m MODULE ARGV`. Never returns."""
     code = 1
     try:
-        os.setsid()
-        os.environ.clear()
-        os.environ.update(request["env"])
-        tempfile.tempdir = None  # its own TMPDIR, read again
-        for path, fd in ((request["stdout"], 1), (request["stderr"], 2)):
-            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.dup2(stdin, 0)
-        os.close(stdin)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        # The signals' handlers of a new interpreter.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        _start_as_new_process(request["env"], stdin, request["stdout"], request["stderr"])
         # What `python -m MODULE ARGV` runs (the server's command line ends
         # in `sys.exit` with its status).
         module = request["module"]
@@ -452,12 +419,44 @@ def _serve_forked(request: dict, stdin: int) -> None:
     except BaseException:  # noqa: BLE001 - printed, as the interpreter would
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001, S110 - the process ends either way
-                pass
-        os._exit(code)
+        _end(code)
+
+
+def _start_as_new_process(
+    env: Mapping[str, str], stdin: int, stdout: str | Path, stderr: str | Path
+) -> None:
+    """In a forked process: what a new interpreter started by
+    `subprocess.Popen(..., start_new_session=True)` would have. A session
+    of its own, environment `env` (and its TMPDIR, read again), standard
+    input from descriptor `stdin` (closed here), output and errors to the
+    files `stdout` and `stderr`, and the interpreter's signal handlers."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None
+    for path, fd in ((stdout, 1), (stderr, 2)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _end(code: int) -> None:
+    """Ends a forked process with `code`, its output flushed first (no
+    handler of the process it was forked from runs)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110 - the process ends either way
+            pass
+    os._exit(code)
 
 
 def _launcher_main(fd: int) -> None:

@@ -429,7 +429,7 @@ class Runtime(ReplicaMembers):
                 # open holds every push it will get, and the replicas that
                 # pushed into it wait for its close before they can take
                 # their STOP. It is applied now, not at the window timer's
-                # patience (nor never, where a call cut off before it told
+                # patience (or never, where a call cut off before it told
                 # the timer of the window).
                 if self._error is None and not self.record.store_lost():
                     for aggregation in self.aggregations():
